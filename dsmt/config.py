@@ -1,0 +1,150 @@
+"""Declarative configuration: structured dataclasses, model presets, YAML files and key=value overrides.
+
+Precedence, lowest first: dataclass defaults, the chosen ``model.preset``, the YAML file, the command line.
+Every key is checked against the schema before any work starts.
+"""
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from dsmt import DsmtError
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "small"
+    vocab_size: int = 8000  # filled from the data directory at train time
+    pad_id: int = 0  # likewise
+    d_model: int = 256
+    n_heads: int = 4
+    n_encoder_layers: int = 3
+    n_decoder_layers: int = 3
+    d_ff: int = 1024
+    dropout: float = 0.1
+    attention_dropout: float = 0.0
+    activation_dropout: float = 0.0
+    norm_first: bool = True
+    share_embeddings: bool = True
+    positions: str = "sinusoidal"  # or "learned"
+    max_positions: int = 1024
+
+
+# Preset values sit between the dataclass defaults and the user's YAML/CLI, which may override any of them.
+MODEL_PRESETS = {
+    "small": dict(d_model=256, n_heads=4, n_encoder_layers=3, n_decoder_layers=3, d_ff=1024,
+                  dropout=0.1, norm_first=True),
+    "transformer_base": dict(d_model=512, n_heads=8, n_encoder_layers=6, n_decoder_layers=6, d_ff=2048,
+                             dropout=0.1, norm_first=False),
+    "transformer_big": dict(d_model=1024, n_heads=16, n_encoder_layers=6, n_decoder_layers=6, d_ff=4096,
+                            dropout=0.3, norm_first=False),
+}
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+
+
+def _schema_keys(schema, prefix="") -> list[str]:
+    keys = []
+    for f in dataclasses.fields(schema):
+        path = prefix + f.name
+        keys.append(path)
+        if dataclasses.is_dataclass(f.type):
+            keys += _schema_keys(f.type, path + ".")
+    return keys
+
+
+def _field_type(path: str):
+    schema = Config
+    for name in path.split("."):
+        schema = {f.name: f.type for f in dataclasses.fields(schema)}[name]
+    return schema
+
+
+def _user_keys(node, prefix="") -> list[str]:
+    keys = []
+    for key, value in node.items():
+        path = f"{prefix}{key}"
+        keys.append(path)
+        if isinstance(value, dict):
+            keys += _user_keys(value, path + ".")
+    return keys
+
+
+def _check_keys(user: dict, source: str) -> None:
+    valid = _schema_keys(Config)
+    sections = {k for k in valid if dataclasses.is_dataclass(_field_type(k))}
+    for key in _user_keys(user):
+        if key not in valid:
+            close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+            hint = f"; did you mean '{close[0]}'?" if close else f"; valid sections are {sorted(sections)}"
+            raise DsmtError(f"unknown config key '{key}' in {source}{hint}")
+        if key in sections and not isinstance(_get(user, key), dict):
+            raise DsmtError(f"config key '{key}' in {source} is a section; set its fields, e.g. '{key}.<name>=...'")
+
+
+def _get(node: dict, path: str):
+    for name in path.split("."):
+        node = node[name]
+    return node
+
+
+def _load_yaml(path: str) -> dict:
+    file = Path(path)
+    if not file.is_file():
+        raise DsmtError(f"config file {path} not found")
+    try:
+        data = yaml.safe_load(file.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+        raise DsmtError(f"config file {path}{where} is not valid YAML: {getattr(e, 'problem', e)}") from None
+    if not isinstance(data, dict):
+        raise DsmtError(f"config file {path} must hold a mapping of sections (model:, data:, ...)")
+    return data
+
+
+def _parse_overrides(overrides) -> dict:
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise DsmtError(f"override '{item}' is not of the form key=value (e.g. model.d_model=512)")
+    try:
+        return OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides)))
+    except OmegaConfBaseException as e:
+        raise DsmtError(f"cannot parse overrides {list(overrides)}: {e}") from None
+
+
+def _value_error(error: OmegaConfBaseException, data: dict, source: str) -> DsmtError:
+    key = getattr(error, "full_key", None)
+    if not key:
+        return DsmtError(f"invalid value in {source}: {error}")
+    expected = getattr(_field_type(key), "__name__", _field_type(key))
+    return DsmtError(f"config key '{key}' in {source} expects {expected}, got {_get(data, key)!r}")
+
+
+def load_config(path: str | None = None, overrides=()) -> DictConfig:
+    """The experiment config: defaults, then the preset, then ``path`` (YAML), then ``key=value`` overrides."""
+    layers = [(_load_yaml(path), f"config file {path}")] if path else []
+    layers.append((_parse_overrides(overrides), "command-line overrides"))
+    for data, source in layers:
+        _check_keys(data, source)
+
+    preset = OmegaConf.select(OmegaConf.merge(*[OmegaConf.create(d) for d, _ in layers]), "model.preset",
+                              default=ModelConfig.preset)
+    if preset not in MODEL_PRESETS:
+        raise DsmtError(f"model.preset={preset!r} is not a preset; choose one of {sorted(MODEL_PRESETS)}")
+
+    cfg = OmegaConf.structured(Config)
+    for data, source in [({"model": MODEL_PRESETS[preset]}, "preset")] + layers:
+        try:
+            cfg = OmegaConf.merge(cfg, data)
+        except OmegaConfBaseException as e:
+            raise _value_error(e, data, source) from None
+    return cfg

@@ -1,0 +1,183 @@
+"""The Transformer of "Attention Is All You Need", building every mask from the tokens it receives.
+
+Nothing here knows about DeepSpeed, ranks or devices: the key-padding masks come from ``pad_id``
+and causality from the target length, on the inputs' own device, so any split of a batch by any
+parallel wrapper (DataParallel, DDP, ZeRO) sees exactly the masks its own rows need.
+
+Sequences are right-padded. In the decoder, causality alone then hides target padding from every
+real position, so decoder self-attention needs no padding mask and takes SDPA's ``is_causal`` path.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def key_padding_mask(tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """``[B, 1, 1, S]`` bool mask, True where a key may be attended to.
+
+    A row made only of padding keeps all its keys visible: a fully masked row makes SDPA return
+    NaN (pytorch#103749), and such a row's output is never used anyway.
+    """
+    keep = tokens != pad_id
+    keep = keep | ~keep.any(dim=1, keepdim=True)
+    return keep[:, None, None, :]
+
+
+class Attention(nn.Module):
+    """Multi-head attention through ``scaled_dot_product_attention`` (fused kernels on GPU)."""
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float, self_attention: bool):
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
+        self.n_heads = n_heads
+        self.dropout = dropout
+        if self_attention:
+            self.qkv = nn.Linear(d_model, 3 * d_model)
+        else:
+            self.q = nn.Linear(d_model, d_model)
+            self.kv = nn.Linear(d_model, 2 * d_model)
+        self.out = nn.Linear(d_model, d_model)
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = x.shape
+        return x.view(batch, length, self.n_heads, -1).transpose(1, 2)
+
+    def forward(self, x, memory=None, mask=None, causal=False):
+        """Self-attention when ``memory`` is None, else attention from ``x`` to ``memory``."""
+        if memory is None:
+            q, k, v = self.qkv(x).chunk(3, dim=-1)
+        else:
+            q, (k, v) = self.q(x), self.kv(memory).chunk(2, dim=-1)
+        out = F.scaled_dot_product_attention(
+            self._heads(q), self._heads(k), self._heads(v), attn_mask=mask,
+            dropout_p=self.dropout if self.training else 0.0, is_causal=causal)
+        return self.out(out.transpose(1, 2).flatten(2))
+
+
+class FeedForward(nn.Sequential):
+    def __init__(self, d_model: int, d_ff: int, dropout: float):
+        super().__init__(nn.Linear(d_model, d_ff), nn.ReLU(), nn.Dropout(dropout), nn.Linear(d_ff, d_model))
+
+
+class Residual(nn.Module):
+    """``x + dropout(f(norm(x)))`` when ``norm_first``, else the paper's ``norm(x + dropout(f(x)))``."""
+
+    def __init__(self, d_model: int, dropout: float, norm_first: bool):
+        super().__init__()
+        self.norm = nn.LayerNorm(d_model)
+        self.dropout = nn.Dropout(dropout)
+        self.norm_first = norm_first
+
+    def forward(self, x, sublayer):
+        if self.norm_first:
+            return x + self.dropout(sublayer(self.norm(x)))
+        return self.norm(x + self.dropout(sublayer(x)))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.self_attn = Attention(cfg.d_model, cfg.n_heads, cfg.attention_dropout, self_attention=True)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout)
+        self.residuals = nn.ModuleList(Residual(cfg.d_model, cfg.dropout, cfg.norm_first) for _ in range(2))
+
+    def forward(self, x, src_mask):
+        x = self.residuals[0](x, lambda h: self.self_attn(h, mask=src_mask))
+        return self.residuals[1](x, self.ffn)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.self_attn = Attention(cfg.d_model, cfg.n_heads, cfg.attention_dropout, self_attention=True)
+        self.cross_attn = Attention(cfg.d_model, cfg.n_heads, cfg.attention_dropout, self_attention=False)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout)
+        self.residuals = nn.ModuleList(Residual(cfg.d_model, cfg.dropout, cfg.norm_first) for _ in range(3))
+
+    def forward(self, x, memory, src_mask):
+        x = self.residuals[0](x, lambda h: self.self_attn(h, causal=True))
+        x = self.residuals[1](x, lambda h: self.cross_attn(h, memory, mask=src_mask))
+        return self.residuals[2](x, self.ffn)
+
+
+def sinusoidal_table(length: int, d_model: int) -> torch.Tensor:
+    position = torch.arange(length, dtype=torch.float32)[:, None]
+    frequency = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / d_model))
+    table = torch.zeros(length, d_model)
+    table[:, 0::2] = torch.sin(position * frequency)
+    table[:, 1::2] = torch.cos(position * frequency)
+    return table
+
+
+class Transformer(nn.Module):
+    """Encoder-decoder Transformer. ``cfg`` is a model config (see ``dsmt.config.ModelConfig``)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        if cfg.positions not in ("sinusoidal", "learned"):
+            raise ValueError(f"positions must be 'sinusoidal' or 'learned', not {cfg.positions!r}")
+        self.pad_id = cfg.pad_id
+        self.max_positions = cfg.max_positions
+        self.embed_scale = math.sqrt(cfg.d_model)
+        self.src_embed = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_id)
+        self.tgt_embed = self.src_embed if cfg.share_embeddings else nn.Embedding(
+            cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_id)
+        if cfg.positions == "learned":
+            self.learned_positions = nn.Embedding(cfg.max_positions, cfg.d_model)
+        else:
+            self.register_buffer("sinusoids", sinusoidal_table(cfg.max_positions, cfg.d_model), persistent=False)
+        self.embed_dropout = nn.Dropout(cfg.dropout)
+        self.encoder_layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_encoder_layers))
+        self.decoder_layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_decoder_layers))
+        # Pre-norm leaves the residual stream unnormalized, so each stack ends with a LayerNorm.
+        self.encoder_norm = nn.LayerNorm(cfg.d_model) if cfg.norm_first else nn.Identity()
+        self.decoder_norm = nn.LayerNorm(cfg.d_model) if cfg.norm_first else nn.Identity()
+        self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self._init_weights()
+        if cfg.share_embeddings:
+            self.output.weight = self.tgt_embed.weight
+
+    def _init_weights(self):
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                # With the sqrt(d_model) input scale, N(0, d^-1/2) gives unit-variance embeddings.
+                nn.init.normal_(module.weight, std=module.embedding_dim ** -0.5)
+                if module.padding_idx is not None:
+                    nn.init.zeros_(module.weight[module.padding_idx])
+
+    def _embed(self, table: nn.Embedding, tokens: torch.Tensor) -> torch.Tensor:
+        length = tokens.size(1)
+        if length > self.max_positions:
+            raise ValueError(f"sequence of {length} tokens exceeds model.max_positions={self.max_positions}")
+        if hasattr(self, "learned_positions"):
+            positions = self.learned_positions.weight[:length]
+        else:
+            positions = self.sinusoids[:length]
+        return self.embed_dropout(table(tokens) * self.embed_scale + positions)
+
+    def encode(self, src_tokens: torch.Tensor) -> torch.Tensor:
+        """``[B, S]`` source ids → encoder memory ``[B, S, d_model]``."""
+        src_mask = key_padding_mask(src_tokens, self.pad_id)
+        x = self._embed(self.src_embed, src_tokens)
+        for layer in self.encoder_layers:
+            x = layer(x, src_mask)
+        return self.encoder_norm(x)
+
+    def decode(self, tgt_tokens: torch.Tensor, memory: torch.Tensor, src_tokens: torch.Tensor) -> torch.Tensor:
+        """``[B, T]`` target-side inputs, the memory of ``src_tokens`` → logits ``[B, T, vocab]``."""
+        src_mask = key_padding_mask(src_tokens, self.pad_id)
+        x = self._embed(self.tgt_embed, tgt_tokens)
+        for layer in self.decoder_layers:
+            x = layer(x, memory, src_mask)
+        return self.output(self.decoder_norm(x))
+
+    def forward(self, src_tokens: torch.Tensor, tgt_tokens: torch.Tensor) -> torch.Tensor:
+        return self.decode(tgt_tokens, self.encode(src_tokens), src_tokens)
