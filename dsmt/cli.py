@@ -5,6 +5,7 @@ A ``DsmtError`` becomes one line on stderr and exit status 2, never a traceback.
 
 import argparse
 import sys
+from pathlib import Path
 
 from omegaconf import OmegaConf
 
@@ -22,6 +23,29 @@ def _config(args) -> None:
     print(OmegaConf.to_yaml(load_config(args.config, args.overrides)), end="")
 
 
+def _prepare(args) -> None:
+    import tempfile
+
+    from dsmt.data.corpora import multi30k_prefixes, write_toy_corpus
+    from dsmt.data.prepare import PrepareOptions, prepare
+
+    vocab_size = args.vocab_size or (300 if args.corpus == "toy" else 8000)
+    options = PrepareOptions(src=args.src, tgt=args.tgt, vocab_size=vocab_size, joint=not args.separate_vocab,
+                             model_type=args.model_type, max_len=args.max_len, max_ratio=args.max_ratio)
+    if args.corpus == "multi30k":
+        prepare(multi30k_prefixes(args.src, args.tgt, args.raw_dir, args.url), args.out, options)
+    elif args.corpus == "toy":
+        with tempfile.TemporaryDirectory() as folder:
+            prepare(write_toy_corpus(Path(folder)), args.out, options)
+    else:
+        if not (args.train and args.valid):
+            raise DsmtError("dsmt prepare needs --train PREFIX and --valid PREFIX (or a built-in corpus: multi30k, toy)")
+        splits = {"train": args.train, "valid": args.valid}
+        for prefix in args.test:
+            splits[Path(prefix).name] = prefix
+        prepare(splits, args.out, options)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsmt", description="DeepSpeed-configured Transformer training for machine translation.")
     parser.add_argument("--version", action="version", version=f"dsmt {__version__}")
@@ -30,6 +54,25 @@ def build_parser() -> argparse.ArgumentParser:
     config = verbs.add_parser("config", help="print the resolved experiment config (checks every key)")
     _add_config_arguments(config)
     config.set_defaults(func=_config)
+
+    prepare = verbs.add_parser(
+        "prepare", help="train sentencepiece and binarize parallel text into a data directory",
+        description="Read PREFIX.SRC/PREFIX.TGT (plain or .gz) for each split, or a built-in corpus.")
+    prepare.add_argument("corpus", nargs="?", choices=["multi30k", "toy"], help="a built-in corpus instead of files")
+    prepare.add_argument("--src", default="en", help="source language suffix (default: en)")
+    prepare.add_argument("--tgt", default="de", help="target language suffix (default: de)")
+    prepare.add_argument("--train", help="training file prefix")
+    prepare.add_argument("--valid", help="validation file prefix")
+    prepare.add_argument("--test", action="append", default=[], help="test file prefix (repeatable)")
+    prepare.add_argument("--out", required=True, help="output data directory")
+    prepare.add_argument("--vocab-size", type=int, help="sentencepiece vocabulary (default: 8000; toy: 300)")
+    prepare.add_argument("--separate-vocab", action="store_true", help="one sentencepiece model per language")
+    prepare.add_argument("--model-type", default="unigram", choices=["unigram", "bpe"])
+    prepare.add_argument("--max-len", type=int, default=250, help="drop training pairs longer than this (subwords)")
+    prepare.add_argument("--max-ratio", type=float, default=3.0, help="drop training pairs with a longer length ratio")
+    prepare.add_argument("--raw-dir", help="multi30k: folder with the raw .gz files (default: ../shared/data/multi30k)")
+    prepare.add_argument("--url", help="multi30k: base URL to download the raw files from")
+    prepare.set_defaults(func=_prepare)
     return parser
 
 

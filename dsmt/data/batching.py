@@ -1,0 +1,117 @@
+"""Token-bounded, length-bucketed batches of a binarized split, sharded across data-parallel ranks.
+
+Every rank sees disjoint batches and the same number of them per epoch, so no rank waits on a
+collective that another never joins. The stream is deterministic given (seed, epoch, rank, world size),
+and its position is a small state a checkpoint can store.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dsmt import DsmtError
+from dsmt.data.prepare import load_meta
+
+
+class ParallelData:
+    """One split of a prepared data directory, memory-mapped; sequences carry EOS (and BOS on decoder input)."""
+
+    def __init__(self, data_dir: str, split: str):
+        meta = load_meta(data_dir)
+        if split not in meta["splits"]:
+            raise DsmtError(f"{data_dir} has no split {split!r}; it has {list(meta['splits'])}")
+        folder = Path(data_dir)
+        self.meta = meta
+        self.pad, self.bos, self.eos = (meta["specials"][k] for k in ("pad", "bos", "eos"))
+        self.src_ids, self.src_offsets = self._load(folder, f"{split}.{meta['src']}")
+        self.tgt_ids, self.tgt_offsets = self._load(folder, f"{split}.{meta['tgt']}")
+        self.src_lens = np.diff(self.src_offsets) + 1  # + EOS
+        self.tgt_lens = np.diff(self.tgt_offsets) + 1  # + BOS on the input side, + EOS on the output side
+
+    @staticmethod
+    def _load(folder: Path, stem: str):
+        return (np.load(folder / f"{stem}.ids.npy", mmap_mode="r"),
+                np.load(folder / f"{stem}.offsets.npy", mmap_mode="r"))
+
+    def __len__(self) -> int:
+        return len(self.src_lens)
+
+    def _rows(self, ids, offsets, indices, prefix, suffix) -> torch.Tensor:
+        width = max(int(offsets[i + 1] - offsets[i]) for i in indices) + len(prefix) + len(suffix)
+        rows = np.full((len(indices), width), self.pad, dtype=np.int64)
+        for row, i in enumerate(indices):
+            tokens = np.concatenate([prefix, ids[offsets[i]:offsets[i + 1]], suffix])
+            rows[row, : len(tokens)] = tokens
+        return torch.from_numpy(rows)
+
+    def collate(self, indices) -> dict[str, torch.Tensor]:
+        """Right-padded ``src`` (x + EOS), ``tgt_in`` (BOS + y) and ``tgt_out`` (y + EOS)."""
+        return {"src": self._rows(self.src_ids, self.src_offsets, indices, [], [self.eos]),
+                "tgt_in": self._rows(self.tgt_ids, self.tgt_offsets, indices, [self.bos], []),
+                "tgt_out": self._rows(self.tgt_ids, self.tgt_offsets, indices, [], [self.eos]),
+                "indices": torch.as_tensor(np.asarray(indices))}
+
+
+def token_batches(src_lens, tgt_lens, max_tokens: int, order) -> list[np.ndarray]:
+    """Cut ``order`` greedily into batches whose padded source and padded target each hold ≤ max_tokens."""
+    longest = int(max(src_lens.max(), tgt_lens.max()))
+    if longest > max_tokens:
+        raise DsmtError(f"a sentence has {longest} tokens, more than data.max_tokens={max_tokens}; "
+                        "raise data.max_tokens or prepare the data with a smaller --max-len")
+    batches, start, widest = [], 0, 0
+    for end, i in enumerate(order):
+        width = max(widest, src_lens[i], tgt_lens[i])
+        if width * (end - start + 1) > max_tokens:
+            batches.append(order[start:end])
+            start, width = end, max(src_lens[i], tgt_lens[i])
+        widest = width
+    batches.append(order[start:])
+    return batches
+
+
+def epoch_batches(src_lens, tgt_lens, max_tokens: int, seed: int, epoch: int) -> list[np.ndarray]:
+    """All batches of one epoch: sorted by length (ties broken at random), cut, then shuffled."""
+    rng = np.random.default_rng([seed, epoch])
+    order = np.lexsort((rng.random(len(src_lens)), tgt_lens, src_lens))
+    batches = token_batches(src_lens, tgt_lens, max_tokens, order)
+    return [batches[i] for i in rng.permutation(len(batches))]
+
+
+def shard(batches: list, rank: int, world_size: int) -> list:
+    """This rank's batches. The list is first padded to a multiple of ``world_size`` by repeating its first
+    batches, so every rank gets the same count; those few pairs are then seen twice in the epoch."""
+    padded = batches + batches[: -len(batches) % world_size]
+    return padded[rank::world_size]
+
+
+class BatchStream:
+    """This rank's batches, epoch after epoch, without end; ``state_dict`` is (epoch, position)."""
+
+    def __init__(self, data: ParallelData, max_tokens: int, seed: int, rank: int = 0, world_size: int = 1):
+        self.data, self.max_tokens, self.seed = data, max_tokens, seed
+        self.rank, self.world_size = rank, world_size
+        self.epoch, self.position = 0, 0
+        self._batches = None
+
+    def batches(self, epoch: int) -> list[np.ndarray]:
+        all_batches = epoch_batches(self.data.src_lens, self.data.tgt_lens, self.max_tokens, self.seed, epoch)
+        return shard(all_batches, self.rank, self.world_size)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        if self._batches is None:
+            self._batches = self.batches(self.epoch)
+        if self.position == len(self._batches):
+            self.epoch, self.position, self._batches = self.epoch + 1, 0, self.batches(self.epoch + 1)
+        indices = self._batches[self.position]
+        self.position += 1
+        return self.data.collate(indices)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position, self._batches = state["epoch"], state["position"], None
