@@ -23,6 +23,16 @@ def _config(args) -> None:
     print(OmegaConf.to_yaml(load_config(args.config, args.overrides)), end="")
 
 
+def _train(args) -> None:
+    from dsmt.config import load_config
+    from dsmt.train import train
+
+    overrides = list(args.overrides)
+    if args.deepspeed_config:
+        overrides.append(f"train.deepspeed_config={args.deepspeed_config}")
+    train(load_config(args.config, overrides))
+
+
 def _prepare(args) -> None:
     import tempfile
 
@@ -54,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     config = verbs.add_parser("config", help="print the resolved experiment config (checks every key)")
     _add_config_arguments(config)
     config.set_defaults(func=_config)
+
+    train = verbs.add_parser("train", help="train a model (the `deepspeed` launcher runs launch/train.py)")
+    _add_config_arguments(train)
+    train.add_argument("--deepspeed_config", "--deepspeed-config", help="a ds_configs/*.json (train.deepspeed_config)")
+    train.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
+    train.set_defaults(func=_train)
 
     prepare = verbs.add_parser(
         "prepare", help="train sentencepiece and binarize parallel text into a data directory",

@@ -33,6 +33,7 @@ class ModelConfig:
     share_embeddings: bool = True
     positions: str = "sinusoidal"  # or "learned"
     max_positions: int = 1024
+    src_vocab_size: int = 0  # 0: the same as vocab_size (one joint vocabulary)
 
 
 # Preset values sit between the dataclass defaults and the user's YAML/CLI, which may override any of them.
@@ -47,8 +48,44 @@ MODEL_PRESETS = {
 
 
 @dataclass
+class DataConfig:
+    dir: str = "data/toy"  # a `dsmt prepare` output
+    max_tokens: int = 4096  # per micro-batch, padded source and padded target each
+    valid_split: str = "valid"
+
+
+@dataclass
+class TrainConfig:
+    output_dir: str = "runs/toy"
+    deepspeed_config: str = "ds_configs/zero0.json"
+    precision: str = "auto"  # auto | fp32 | bf16 | fp16: fills "enabled": "auto" in the ds_config
+    max_steps: int = 1000
+    seed: int = 1
+    lr: float = 1e-3  # peak, reached at the end of warmup
+    warmup_steps: int = 1000
+    grad_accum: int = 1  # fills gradient_accumulation_steps: "auto"
+    label_smoothing: float = 0.1
+    log_interval: int = 50
+    valid_interval: int = 500
+    save_interval: int = 500
+    keep_last: int = 3
+    resume: str = "auto"  # auto | none | a checkpoint directory
+    threads: int = 0  # torch threads per rank; 0: the cores divided among this node's ranks
+
+
+@dataclass
+class EvalConfig:
+    max_len_a: float = 1.2  # hypotheses stop at a * source length + b tokens
+    max_len_b: int = 10
+    valid_bleu: bool = True  # greedy-decode the valid set at each validation
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 def _schema_keys(schema, prefix="") -> list[str]:

@@ -118,12 +118,14 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
+        if cfg.share_embeddings and cfg.src_vocab_size not in (0, cfg.vocab_size):
+            raise ValueError("share_embeddings needs one joint vocabulary (src_vocab_size 0 or = vocab_size)")
         if cfg.positions not in ("sinusoidal", "learned"):
             raise ValueError(f"positions must be 'sinusoidal' or 'learned', not {cfg.positions!r}")
         self.pad_id = cfg.pad_id
         self.max_positions = cfg.max_positions
         self.embed_scale = math.sqrt(cfg.d_model)
-        self.src_embed = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_id)
+        self.src_embed = nn.Embedding(cfg.src_vocab_size or cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_id)
         self.tgt_embed = self.src_embed if cfg.share_embeddings else nn.Embedding(
             cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_id)
         if cfg.positions == "learned":
@@ -157,11 +159,12 @@ class Transformer(nn.Module):
         length = tokens.size(1)
         if length > self.max_positions:
             raise ValueError(f"sequence of {length} tokens exceeds model.max_positions={self.max_positions}")
-        if hasattr(self, "learned_positions"):
-            positions = self.learned_positions.weight[:length]
+        if hasattr(self, "learned_positions"):  # called, not indexed, so ZeRO-3 gathers it
+            positions = self.learned_positions(torch.arange(length, device=tokens.device))
         else:
             positions = self.sinusoids[:length]
-        return self.embed_dropout(table(tokens) * self.embed_scale + positions)
+        x = table(tokens)
+        return self.embed_dropout(x * self.embed_scale + positions.to(x.dtype))
 
     def encode(self, src_tokens: torch.Tensor) -> torch.Tensor:
         """``[B, S]`` source ids → encoder memory ``[B, S, d_model]``."""

@@ -61,3 +61,13 @@ def test_config_verb_prints_resolved_yaml():
 def test_wrong_type_raises_dsmt_error_in_process():
     with pytest.raises(DsmtError, match="model.n_heads.*expects int"):
         load_config(overrides=["model.n_heads=four"])
+
+
+def test_shipped_experiment_configs_load():
+    from tests.conftest import REPO
+
+    configs = sorted((REPO / "launch" / "configs").glob("*.yaml"))
+    assert configs
+    for path in configs:
+        cfg = load_config(str(path))
+        assert (REPO / cfg.train.deepspeed_config).is_file()

@@ -1,0 +1,156 @@
+"""DeepSpeed set-up: read a ds_config JSON, fill its "auto" values from the dsmt config, check it, initialize.
+
+How dsmt reconciles token batching with DeepSpeed's sample counts (DeepSpeed issue 1051): dsmt owns the
+data loader and each micro-batch is one token-bounded batch (``data.max_tokens``), so DeepSpeed's
+``train_micro_batch_size_per_gpu`` is bookkeeping fixed at 1 and ``train_batch_size`` counts micro-batches
+(micro × accumulation × world size). Throughput is always reported in tokens.
+"""
+
+import copy
+import json
+import os
+import socket
+from pathlib import Path
+
+from dsmt import DsmtError
+
+AUTO = "auto"
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+
+
+def read_ds_config(path: str) -> dict:
+    file = Path(path)
+    if not file.is_file():
+        raise DsmtError(f"DeepSpeed config {path} not found; pick one of ds_configs/*.json")
+    try:
+        config = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise DsmtError(f"{path}:{e.lineno}:{e.colno}: invalid JSON ({e.msg})") from None
+    if not isinstance(config, dict):
+        raise DsmtError(f"{path}: a DeepSpeed config is a JSON object")
+    return config
+
+
+def accelerator_caps() -> tuple[str, bool, bool]:
+    """(name, fp16 supported, bf16 supported) of the accelerator DeepSpeed picked (CPU when there is no GPU)."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    return accelerator.device_name(), bool(accelerator.is_fp16_supported()), bool(accelerator.is_bf16_supported())
+
+
+def resolve_precision(requested: str, ds: dict, path: str, caps) -> str:
+    """fp32, bf16 or fp16: ``train.precision`` and any explicit ``enabled: true`` in the JSON must agree."""
+    if requested not in PRECISIONS:
+        raise DsmtError(f"train.precision={requested!r}; choose one of {PRECISIONS}")
+    in_json = [kind for kind in ("fp16", "bf16") if ds.get(kind, {}).get("enabled") is True]
+    if len(in_json) > 1 or in_json and requested not in (AUTO, in_json[0]):
+        raise DsmtError(f"{path} enables {' and '.join(in_json)} but train.precision={requested}; "
+                        'set "enabled": "auto" in the JSON and choose with train.precision')
+    device, has_fp16, has_bf16 = caps
+    precision = in_json[0] if in_json else requested
+    if precision == AUTO:
+        precision = ("bf16" if has_bf16 else "fp16") if device != "cpu" else "fp32"
+        print(f"train.precision=auto: {precision} on {device}")
+    if precision == "fp16" and not has_fp16:
+        raise DsmtError(f"fp16 is not supported on the {device} accelerator (asked by {path if in_json else 'train.precision'}); "
+                        "use train.precision=bf16 (or fp32) with the same ds_config")
+    if precision == "bf16" and not has_bf16:
+        raise DsmtError(f"bf16 is not supported on the {device} accelerator; use train.precision=fp16 or fp32")
+    return precision
+
+
+def fill_ds_config(ds: dict, train_cfg, world_size: int, path: str, caps) -> dict:
+    """A copy of ``ds`` with every "auto" filled, or a clear error on a contradiction."""
+    ds = copy.deepcopy(ds)
+    micro = ds.setdefault("train_micro_batch_size_per_gpu", AUTO)
+    if micro not in (AUTO, 1):
+        raise DsmtError(f'{path}: train_micro_batch_size_per_gpu={micro}; it must be 1 or "auto": dsmt batches by '
+                        "tokens (data.max_tokens) and one micro-batch is one token batch")
+    ds["train_micro_batch_size_per_gpu"] = 1
+    if ds.setdefault("gradient_accumulation_steps", AUTO) == AUTO:
+        ds["gradient_accumulation_steps"] = train_cfg.grad_accum
+    accumulation = ds["gradient_accumulation_steps"]
+    if ds.setdefault("train_batch_size", AUTO) == AUTO:
+        ds["train_batch_size"] = accumulation * world_size
+    if ds["train_batch_size"] != accumulation * world_size:
+        raise DsmtError(f"{path}: train_batch_size={ds['train_batch_size']} but train_micro_batch_size_per_gpu × "
+                        f"gradient_accumulation_steps × world size = 1 × {accumulation} × {world_size} = "
+                        f"{accumulation * world_size}; set it to \"auto\"")
+
+    params = ds.get("optimizer", {}).get("params", {})
+    if params.get("lr") == AUTO:
+        params["lr"] = train_cfg.lr
+    if params.get("torch_adam") == AUTO:  # DeepSpeed's FusedAdam needs a compiled kernel; torch's Adam does not
+        params["torch_adam"] = caps[0] == "cpu"
+
+    precision = resolve_precision(train_cfg.precision, ds, path, caps)
+    for kind in ("fp16", "bf16"):
+        ds.setdefault(kind, {})["enabled"] = kind == precision
+    ds.setdefault("steps_per_print", 10 ** 9)  # dsmt logs itself
+    leftover = [key for key, value in _walk(ds) if value == AUTO]
+    if leftover:
+        raise DsmtError(f"{path}: dsmt cannot fill \"auto\" for {leftover}; give them values")
+    return ds
+
+
+def _walk(node, prefix=""):
+    for key, value in node.items():
+        if isinstance(value, dict):
+            yield from _walk(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> tuple[int, int, int]:
+    """Join the job the launcher (deepspeed, torchrun) describes, or become a world of one; (rank, world, local world)."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if "WORLD_SIZE" not in os.environ:  # plain `python launch/train.py`: no launcher, no MPI
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    world = int(os.environ["WORLD_SIZE"])
+    return int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_WORLD_SIZE", world))
+
+
+def inverse_sqrt(warmup_steps: int):
+    """The paper's schedule as a multiplier of the peak lr: linear warmup, then 1/sqrt(step); steps count from 1."""
+    def factor(updates_done: int) -> float:
+        step = updates_done + 1
+        return min(step / warmup_steps, (warmup_steps / step) ** 0.5)
+    return factor
+
+
+def build_engine(model, cfg, world_size: int):
+    """``deepspeed.initialize`` on ``model`` with the filled ds_config and the inverse-sqrt schedule."""
+    import deepspeed
+    import torch
+
+    path = cfg.train.deepspeed_config
+    ds = fill_ds_config(read_ds_config(path), cfg.train, world_size, path, accelerator_caps())
+    schedule = inverse_sqrt(cfg.train.warmup_steps)
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds,
+        lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule))
+    return engine, ds
+
+
+def partitioned_bytes(engine) -> dict[str, int]:
+    """Bytes this rank holds of parameters and of optimizer state (Adam's moments), read from the tensors
+    DeepSpeed keeps: a ZeRO-3 parameter's local shard is ``ds_tensor``; ZeRO-1/2/3 step an inner optimizer
+    over flat partitions."""
+    import torch
+
+    params = sum(getattr(p, "ds_tensor", p).numel() * p.element_size() for p in engine.module.parameters())
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    state = sum(t.numel() * t.element_size() for s in inner.state.values() for t in s.values()
+                if torch.is_tensor(t) and t.dim() > 0)
+    return {"param_bytes": params, "optimizer_state_bytes": state}

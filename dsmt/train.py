@@ -1,0 +1,210 @@
+"""The training loop: get batches, forward, backward, step, log, maybe validate, maybe save.
+
+It knows the model only through ``forward`` (logits), ``encode``/``decode`` (greedy validation) and the
+config; DeepSpeed only through the engine; data only through ``BatchStream``.
+"""
+
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import sacrebleu
+import sentencepiece as spm
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+from tqdm import tqdm
+
+from dsmt import DsmtError, checkpoint
+from dsmt.data.batching import BatchStream, ParallelData, epoch_batches, shard
+from dsmt.data.prepare import load_meta
+from dsmt.decode import greedy
+from dsmt.engine import build_engine, init_distributed, partitioned_bytes
+from dsmt.loss import label_smoothed_nll
+from dsmt.model import Transformer
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """Dropout's RNG is reseeded from (seed, step, rank) each step, so a resumed run draws the same masks."""
+    return int(np.random.SeedSequence([seed, step, rank]).generate_state(1)[0])
+
+
+def fill_model_config(cfg, meta: dict, data_dir: str) -> None:
+    """Vocabulary sizes and the pad id come from the data directory, never from the user."""
+    vocab = meta["vocab_size"]
+    cfg.model.vocab_size = vocab[meta["tgt"]]
+    cfg.model.src_vocab_size = 0 if meta["joint"] else vocab[meta["src"]]
+    cfg.model.pad_id = meta["specials"]["pad"]
+    if cfg.model.share_embeddings and not meta["joint"]:
+        raise DsmtError(f"model.share_embeddings=true needs a joint vocabulary, but {data_dir} was prepared with "
+                        "--separate-vocab; set model.share_embeddings=false")
+
+
+class Trainer:
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.rank, self.world, local_world = init_distributed()
+        torch.set_num_threads(cfg.train.threads or max(1, (os.cpu_count() or 1) // local_world))
+        meta = load_meta(cfg.data.dir)
+        fill_model_config(cfg, meta, cfg.data.dir)
+        self.pad, self.bos, self.eos = (meta["specials"][k] for k in ("pad", "bos", "eos"))
+        self.train_data = ParallelData(cfg.data.dir, "train")
+        self.valid_data = ParallelData(cfg.data.dir, cfg.data.valid_split)
+        self.references = (Path(cfg.data.dir) / f"{cfg.data.valid_split}.{meta['tgt']}.txt").read_text().splitlines()
+        self.spm_path = str(Path(cfg.data.dir) / meta["spm"][meta["tgt"]])
+        self.sp = spm.SentencePieceProcessor(model_file=self.spm_path)
+
+        torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
+        self.engine, ds_config = build_engine(Transformer(cfg.model), cfg, self.world)
+        self.accumulation = ds_config["gradient_accumulation_steps"]
+        self.precision = next((k for k in ("fp16", "bf16") if ds_config[k]["enabled"]), "fp32")
+        self.stream = BatchStream(self.train_data, cfg.data.max_tokens, cfg.train.seed, self.rank, self.world)
+        self.step, self.best_bleu = 0, -1.0
+        state = checkpoint.resume(self.engine, cfg.train.output_dir, cfg.train.resume)
+        if state:
+            self.step, self.best_bleu = state["step"], state["best_bleu"]
+            self.stream.load_state_dict(state["data"])
+        self.writer = self.log_file = None
+        if self.rank == 0:
+            from torch.utils.tensorboard import SummaryWriter
+
+            out = Path(cfg.train.output_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+            self.writer = SummaryWriter(str(out / "tensorboard"), purge_step=self.step + 1 if state else None)
+            self.log_file = open(out / "train_log.jsonl", "a")
+
+    # ---- collectives ------------------------------------------------------------------------------
+    def _sum(self, values) -> list[float]:
+        total = torch.tensor(values, dtype=torch.float64, device=self.engine.device)
+        dist.all_reduce(total)
+        return total.tolist()
+
+    def _all_done(self, local_done: bool) -> bool:
+        return self._sum([0.0 if local_done else 1.0])[0] == 0.0
+
+    def _to_device(self, batch: dict) -> dict:
+        return {k: v.to(self.engine.device, non_blocking=True) for k, v in batch.items()}
+
+    # ---- one optimizer step -----------------------------------------------------------------------
+    def train_step(self) -> dict:
+        torch.manual_seed(step_seed(self.cfg.train.seed, self.step, self.rank))
+        micro = [self._to_device(next(self.stream)) for _ in range(self.accumulation)]
+        src_tokens, tgt_tokens = self._sum([sum(int((b["src"] != self.pad).sum()) for b in micro),
+                                            sum(int((b["tgt_out"] != self.pad).sum()) for b in micro)])
+        # The update is sum(loss) / target tokens of the global batch, as fairseq does; DeepSpeed averages
+        # gradients over ranks and accumulation steps, so multiply that average back out.
+        scale = self.world * self.accumulation / tgt_tokens
+        sums, grad_norm = torch.zeros(2, dtype=torch.float64, device=self.engine.device), None
+        for batch in micro:
+            logits = self.engine(batch["src"], batch["tgt_in"])
+            loss, nll = label_smoothed_nll(logits, batch["tgt_out"], self.cfg.train.label_smoothing, self.pad)
+            self.engine.backward(loss * scale)
+            if self.engine.is_gradient_accumulation_boundary():
+                grad_norm = self._replicated_grad_norm()
+            self.engine.step()
+            sums += torch.stack([loss.detach(), nll.detach()]).double()
+        loss_sum, nll_sum = self._sum(sums.tolist())
+        self.step += 1
+        grad_norm = self.engine.get_global_grad_norm() or grad_norm
+        return {"loss": loss_sum / tgt_tokens, "nll": nll_sum / tgt_tokens, "tokens": src_tokens + tgt_tokens,
+                "grad_norm": None if grad_norm is None else float(grad_norm)}
+
+    def _replicated_grad_norm(self):
+        """DeepSpeed reports the gradient norm from its ZeRO and mixed-precision optimizers, but its plain
+        fp32 ZeRO-0 path clips without keeping it; there the full, reduced gradients sit on the parameters."""
+        if self.engine.zero_optimization_stage() or self.precision != "fp32":
+            return None
+        norms = [torch.linalg.vector_norm(p.grad) for p in self.engine.module.parameters() if p.grad is not None]
+        return torch.linalg.vector_norm(torch.stack(norms))
+
+    # ---- validation -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def validate(self) -> dict:
+        """Valid loss, and BLEU of greedy output; every rank decodes its shard and runs the model in lockstep."""
+        self.engine.eval()
+        data, ev = self.valid_data, self.cfg.eval
+        all_batches = epoch_batches(data.src_lens, data.tgt_lens, self.cfg.data.max_tokens, seed=0, epoch=0)
+        sums, hypotheses = [0.0, 0.0, 0.0], {}
+        for k, indices in enumerate(shard(all_batches, self.rank, self.world)):
+            batch = self._to_device(data.collate(indices))
+            # Every rank runs every forward (ZeRO-3 gathers parameters collectively); shard()'s repeats don't count.
+            loss, nll = label_smoothed_nll(self.engine(batch["src"], batch["tgt_in"]), batch["tgt_out"],
+                                           self.cfg.train.label_smoothing, self.pad)
+            if self.rank + k * self.world < len(all_batches):
+                sums = [sums[0] + loss.item(), sums[1] + nll.item(), sums[2] + int((batch["tgt_out"] != self.pad).sum())]
+            if ev.valid_bleu:
+                max_len = int(ev.max_len_a * batch["src"].size(1) + ev.max_len_b)
+                # Through the engine's forward, the one path DeepSpeed gathers ZeRO-3 parameters for.
+                found = greedy(lambda prefix: self.engine(batch["src"], prefix), len(indices), self.engine.device,
+                               self.bos, self.eos, self.pad, max_len, self._all_done)
+                hypotheses.update(zip(map(int, indices), found))
+        loss, nll, tokens = self._sum(sums)
+        metrics = {"loss": loss / tokens, "nll": nll / tokens}
+        if ev.valid_bleu:
+            gathered = [None] * self.world
+            dist.all_gather_object(gathered, hypotheses)
+            merged = {i: h for part in gathered for i, h in part.items()}
+            text = [self.sp.decode(merged[i]) for i in range(len(data))]
+            metrics["bleu"] = sacrebleu.corpus_bleu(text, [self.references]).score
+        self.engine.train()
+        return metrics
+
+    # ---- logging and saving -------------------------------------------------------------------------
+    def log(self, kind: str, metrics: dict) -> None:
+        if self.rank != 0:
+            return
+        for name, value in metrics.items():
+            self.writer.add_scalar(f"{kind}/{name}", value, self.step)
+        self.log_file.write(json.dumps({"kind": kind, "step": self.step, **metrics}) + "\n")
+        self.log_file.flush()
+        tqdm.write(f"{kind} step {self.step}: " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+
+    def save(self, best: bool) -> None:
+        client_state = {"step": self.step, "data": self.stream.state_dict(), "best_bleu": self.best_bleu,
+                        "config": OmegaConf.to_container(self.cfg), "spm": self.spm_path}
+        checkpoint.save(self.engine, self.cfg.train.output_dir, self.step, client_state, self.cfg.train.keep_last, best)
+
+    def run(self) -> None:
+        tc = self.cfg.train
+        progress = tqdm(total=tc.max_steps, initial=self.step, disable=self.rank != 0 or None, unit="step")
+        started, started_step, window_seconds, window_tokens = time.time(), self.step, 0.0, 0
+        while self.step < tc.max_steps:
+            step_start = time.time()
+            stats = self.train_step()
+            window_seconds, window_tokens = window_seconds + time.time() - step_start, window_tokens + stats["tokens"]
+            progress.update()
+            if self.step == started_step + 1:  # optimizer state exists after the first step
+                self.log("memory", partitioned_bytes(self.engine))
+            if self.step % tc.log_interval == 0 or self.step == tc.max_steps:
+                # Source+target tokens of the global batch per second of training steps (validation excluded).
+                metrics = {"loss": stats["loss"], "nll": stats["nll"], "ppl": float(np.exp(stats["nll"])),
+                           "lr": self.engine.get_lr()[0], "tokens_per_s": window_tokens / window_seconds,
+                           "tokens_per_s_per_rank": window_tokens / window_seconds / self.world,
+                           "wall_minutes": (time.time() - started) / 60}
+                if stats["grad_norm"] is not None:
+                    metrics["grad_norm"] = stats["grad_norm"]
+                if self.precision == "fp16":
+                    metrics["loss_scale"] = float(self.engine.optimizer.loss_scale)
+                self.log("train", metrics)
+                progress.set_postfix(loss=f"{stats['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+                window_seconds, window_tokens = 0.0, 0
+            improved = False
+            if self.step % tc.valid_interval == 0 or self.step == tc.max_steps:
+                metrics = self.validate()
+                metrics["wall_minutes"] = (time.time() - started) / 60
+                if "bleu" in metrics and metrics["bleu"] > self.best_bleu:
+                    self.best_bleu, improved = metrics["bleu"], True
+                self.log("valid", metrics)
+            if self.step % tc.save_interval == 0 or self.step == tc.max_steps or improved:
+                self.save(best=improved)
+        progress.close()
+        if self.rank == 0:
+            self.writer.close()
+            self.log_file.close()
+
+
+def train(cfg) -> None:
+    Trainer(cfg).run()

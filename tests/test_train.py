@@ -1,0 +1,264 @@
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dsmt import DsmtError
+from dsmt.checkpoint import prune
+from dsmt.data.corpora import write_toy_corpus
+from dsmt.data.prepare import PrepareOptions, prepare
+from dsmt.decode import greedy
+from dsmt.engine import fill_ds_config, inverse_sqrt, read_ds_config
+from dsmt.loss import label_smoothed_nll
+from tests.conftest import MULTI30K, PYTHON, REPO, run_env
+from tests.training import kill_after, losses, records, train, train_command, free_port
+
+DS_CONFIGS = sorted((REPO / "ds_configs").glob("*.json"))
+CPU = ("cpu", False, True)  # accelerator name, fp16 supported, bf16 supported
+
+
+@pytest.fixture(scope="session")
+def toy_data(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("toy")
+    raw = folder / "raw"
+    raw.mkdir()
+    prepare(write_toy_corpus(raw), str(folder / "data"), PrepareOptions("en", "de", vocab_size=300))
+    return folder / "data"
+
+
+# ---- units: loss, schedule, greedy, ds_config filling, pruning ---------------------------------------
+
+def test_label_smoothed_loss_equals_torch_cross_entropy():
+    torch.manual_seed(0)
+    logits, target = torch.randn(3, 5, 11), torch.randint(0, 11, (3, 5))
+    target[0, 3:] = 0
+    loss, nll = label_smoothed_nll(logits, target, 0.1, pad_id=0)
+    flat = logits.flatten(0, 1), target.flatten()
+    assert torch.allclose(loss, F.cross_entropy(*flat, ignore_index=0, label_smoothing=0.1, reduction="sum"))
+    assert torch.allclose(nll, F.cross_entropy(*flat, ignore_index=0, reduction="sum"))
+
+
+def test_inverse_sqrt_schedule():
+    factor = inverse_sqrt(warmup_steps=100)
+    assert factor(0) == pytest.approx(0.01) and factor(49) == pytest.approx(0.5) and factor(99) == pytest.approx(1)
+    assert factor(399) == pytest.approx(0.5)  # sqrt(100 / 400)
+
+
+def test_greedy_follows_argmax_and_stops_at_eos():
+    script = {0: [5, 6, 3, 7], 1: [8, 3, 9, 9]}  # row → tokens the fake model prefers at each step
+
+    def logits_of(prefix):
+        t = prefix.size(1) - 1
+        out = torch.zeros(2, prefix.size(1), 10)
+        for row in range(2):
+            out[row, -1, script[row][t]] = 1.0
+        return out
+
+    assert greedy(logits_of, 2, "cpu", bos=2, eos=3, pad=0, max_len=10) == [[5, 6], [8]]
+    assert greedy(logits_of, 2, "cpu", bos=2, eos=3, pad=0, max_len=1) == [[5], [8]]
+
+
+def fill(ds, world=2, **train):
+    from dsmt.config import TrainConfig
+
+    return fill_ds_config(ds, TrainConfig(**train), world, "x.json", CPU)
+
+
+def test_ds_config_autos_are_filled():
+    ds = fill(read_ds_config(REPO / "ds_configs" / "zero2.json"), world=4, grad_accum=3, lr=5e-4, precision="bf16")
+    assert ds["train_micro_batch_size_per_gpu"] == 1 and ds["gradient_accumulation_steps"] == 3
+    assert ds["train_batch_size"] == 12 and ds["optimizer"]["params"]["lr"] == 5e-4
+    assert ds["bf16"]["enabled"] is True and ds["fp16"]["enabled"] is False
+    assert ds["optimizer"]["params"]["torch_adam"] is True  # on CPU
+
+
+@pytest.mark.parametrize("ds, train, words", [
+    ({"train_batch_size": 8, "gradient_accumulation_steps": 2}, {}, ["train_batch_size=8", "1 × 2 × 2 = 4"]),
+    ({"train_micro_batch_size_per_gpu": 16}, {}, ["train_micro_batch_size_per_gpu=16", "tokens"]),
+    ({"fp16": {"enabled": True}}, {}, ["fp16 is not supported", "x.json", "bf16"]),
+    ({}, {"precision": "fp16"}, ["fp16 is not supported", "train.precision", "bf16"]),
+    ({"bf16": {"enabled": True}}, {"precision": "fp32"}, ["bf16", "train.precision=fp32"]),
+    ({}, {"precision": "half"}, ["train.precision='half'"]),
+    ({"zero_optimization": {"stage": "auto"}}, {}, ["zero_optimization.stage"]),
+])
+def test_ds_config_contradictions_are_refused(ds, train, words):
+    with pytest.raises(DsmtError) as error:
+        fill(ds, **train)
+    for word in words:
+        assert word in str(error.value)
+
+
+def test_invalid_json_names_line_and_column(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{\n  "train_batch_size": 8,\n  "zero_optimization": {"stage": 2,}\n}\n')
+    with pytest.raises(DsmtError, match=r"bad.json:3:\d+: invalid JSON"):
+        read_ds_config(str(bad))
+
+
+def test_prune_keeps_newest_latest_and_best(tmp_path):
+    for step in (10, 20, 30, 40, 50):
+        (tmp_path / f"step{step}").mkdir()
+    (tmp_path / "latest").write_text("step50")
+    (tmp_path / "best").symlink_to("step20")
+    prune(tmp_path, keep_last=2)
+    assert sorted(p.name for p in tmp_path.glob("step*")) == ["step20", "step40", "step50"]
+
+
+# ---- real training runs ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def stage_runs(toy_data, tmp_path_factory):
+    """20 steps at ZeRO 0-3 on 2 ranks, and 1 rank with accumulation 2, validating (greedy BLEU) every 10."""
+    root = tmp_path_factory.mktemp("stages")
+    runs = {}
+    for stage in (0, 1, 2, 3):
+        runs[stage] = root / f"zero{stage}"
+        train(toy_data, runs[stage], "train.max_steps=20", "train.valid_interval=10", "train.save_interval=20",
+              ranks=2, ds=f"ds_configs/zero{stage}.json")
+    runs["accum"] = root / "accum"
+    train(toy_data, runs["accum"], "train.max_steps=20", "train.valid_interval=10", "train.save_interval=20",
+          "train.grad_accum=2")
+    return runs
+
+
+def relative_close(a, b, tol=1e-4):
+    return len(a) == len(b) and all(abs(x - y) <= tol * abs(y) for x, y in zip(a, b))
+
+
+@pytest.mark.slow
+def test_loss_curves_agree_across_zero_stages_and_with_accumulation(stage_runs):
+    reference = losses(stage_runs[0])
+    assert len(reference) == 20 and reference[-1] < reference[0] - 0.5  # it learns
+    for stage in (1, 2, 3):
+        assert relative_close(losses(stage_runs[stage]), reference), stage
+    # One rank accumulating 2 batches sees the same global batches as 2 ranks; the ranks' batches hold
+    # different token counts, and the global-token normalization makes the updates equal anyway.
+    assert relative_close(losses(stage_runs["accum"]), reference)
+    tokens = [r["tokens_per_s"] > 0 for r in records(stage_runs[0]).values()]
+    assert all(tokens)
+
+
+@pytest.mark.slow
+def test_partitioned_memory_halves_with_two_ranks(stage_runs):
+    memory = {stage: records(stage_runs[stage], "memory")[1] for stage in (0, 1, 2, 3)}
+    base = memory[0]
+    for stage in (1, 2):
+        assert 0.45 <= memory[stage]["optimizer_state_bytes"] / base["optimizer_state_bytes"] <= 0.55
+        assert memory[stage]["param_bytes"] == base["param_bytes"]
+    assert 0.45 <= memory[3]["param_bytes"] / base["param_bytes"] <= 0.55
+    assert 0.45 <= memory[3]["optimizer_state_bytes"] / base["optimizer_state_bytes"] <= 0.55
+
+
+@pytest.mark.slow
+def test_zero3_validation_finishes_with_zero0_bleu(stage_runs):
+    bleu = {stage: [r["bleu"] for _, r in sorted(records(stage_runs[stage], "valid").items())] for stage in (0, 3)}
+    assert len(bleu[3]) == 2
+    assert bleu[3] == pytest.approx(bleu[0], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_tensorboard_holds_the_scalars(stage_runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(stage_runs[0] / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for tag in ("train/loss", "train/nll", "train/ppl", "train/lr", "train/grad_norm", "train/tokens_per_s",
+                "train/tokens_per_s_per_rank", "train/wall_minutes", "valid/loss", "valid/bleu", "valid/nll"):
+        assert tag in tags, tag
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 21))
+    assert events.Scalars("train/loss")[-1].value == pytest.approx(losses(stage_runs[0])[-1], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_checkpoints_on_disk(stage_runs):
+    folder = stage_runs[2] / "checkpoints"
+    assert (folder / "latest").read_text().strip() == "step20"
+    assert sorted(p.name for p in (folder / "step20").iterdir() if p.name.endswith("optim_states.pt")) == [
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    assert (folder / "best").is_symlink()
+    assert (stage_runs[2] / "config.yaml").is_file()
+
+
+@pytest.mark.slow
+def test_two_nodes_on_loopback_match_one_node(stage_runs, toy_data, tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
+    port, out = str(free_port()), tmp_path / "two_nodes"
+    nodes = []
+    for node_rank in (0, 1):
+        launcher = ["--hostfile", str(hostfile), "--no_ssh", f"--node_rank={node_rank}", "--master_addr=127.0.0.1",
+                    f"--master_port={port}"]
+        command = train_command(toy_data, out, "train.max_steps=20", "train.valid_interval=10",
+                                "train.save_interval=20", launcher=launcher)
+        nodes.append(subprocess.Popen(command, cwd=REPO, env=run_env(), stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert relative_close(losses(out), losses(stage_runs[0]))
+
+
+@pytest.mark.slow
+def test_resume_after_kill_continues_identically(toy_data, tmp_path):
+    # Dropout on, so the resumed run must also restore the random streams.
+    overrides = ["train.max_steps=20", "train.save_interval=10", "train.valid_interval=100", "model.dropout=0.1",
+                 "model.d_model=128", "data.max_tokens=2048"]
+    straight = tmp_path / "straight"
+    train(toy_data, straight, *overrides)
+    interrupted = tmp_path / "interrupted"
+    code = kill_after(train_command(toy_data, interrupted, *overrides), interrupted, step=12)
+    assert code != 0 and 20 not in records(interrupted)  # really killed mid-run
+    assert (interrupted / "checkpoints" / "latest").read_text().strip() == "step10"
+    train(toy_data, interrupted, *overrides, "train.resume=auto")
+    expected, resumed = records(straight), records(interrupted)
+    assert [resumed[s]["loss"] for s in range(11, 21)] == [expected[s]["loss"] for s in range(11, 21)]
+
+
+def test_every_ds_config_initializes_on_cpu(toy_data, tmp_path):
+    """Each JSON in ds_configs/ builds an engine and takes a step, in fp32 and in bf16 (one process)."""
+    script = f"""
+import json, sys, torch
+from dsmt.config import load_config
+from dsmt.engine import build_engine, init_distributed
+from dsmt.model import Transformer
+init_distributed()
+for path in {[str(p) for p in DS_CONFIGS]!r}:
+    for precision in ("fp32", "bf16"):
+        cfg = load_config(overrides=["model.vocab_size=50", "model.d_model=32", "model.n_heads=2", "model.d_ff=64",
+                                     "train.deepspeed_config=" + path, "train.precision=" + precision])
+        engine, ds = build_engine(Transformer(cfg.model), cfg, 1)
+        src = torch.randint(1, 50, (2, 5))
+        loss = engine(src, src).float().logsumexp(-1).mean()
+        engine.backward(loss)
+        engine.step()
+        print("OK", path, precision, ds["zero_optimization"]["stage"], flush=True)
+"""
+    result = subprocess.run([PYTHON, "-c", script], cwd=REPO, env=run_env(), capture_output=True, text=True,
+                            timeout=900)
+    ok = [line for line in result.stdout.splitlines() if line.startswith("OK")]
+    assert result.returncode == 0 and len(ok) == 2 * len(DS_CONFIGS), result.stdout[-2000:] + result.stderr[-3000:]
+
+
+def test_fp16_on_cpu_is_one_clear_error(toy_data, tmp_path):
+    result = train(toy_data, tmp_path / "fp16", "train.precision=fp16", "train.max_steps=1", check=False)
+    assert result.returncode == 2
+    assert "fp16 is not supported on the cpu accelerator" in result.stderr and "bf16" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "fp16" / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_bf16_zero2_trains_on_multi30k(tmp_path):
+    if not (MULTI30K / "train.en.gz").exists():
+        pytest.skip("Multi30k raw files not found")
+    from dsmt.data.corpora import multi30k_prefixes
+
+    data = tmp_path / "m30k"
+    prepare(multi30k_prefixes("en", "de", str(MULTI30K), None), str(data), PrepareOptions("en", "de", vocab_size=4000))
+    out = tmp_path / "bf16"
+    train(data, out, "train.precision=bf16", "train.max_steps=50", "train.valid_interval=1000",
+          "train.save_interval=1000", "eval.valid_bleu=false", ds="ds_configs/zero2.json")
+    curve = losses(out)
+    assert len(curve) == 50 and sum(curve[-5:]) / 5 < sum(curve[:5]) / 5 - 1.0
