@@ -202,6 +202,17 @@ def test_two_nodes_on_loopback_match_one_node(stage_runs, toy_data, tmp_path):
 
 
 @pytest.mark.slow
+def test_torchrun_entry_point_matches_deepspeed_launcher(stage_runs, toy_data, tmp_path):
+    out = tmp_path / "torchrun"
+    command = train_command(toy_data, out, "train.max_steps=20", "train.valid_interval=10", "train.save_interval=20")
+    torchrun = str(Path(PYTHON).parent / "torchrun")
+    result = subprocess.run([torchrun, "--nproc_per_node=2", f"--master_port={free_port()}", *command[1:]],
+                            cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert relative_close(losses(out), losses(stage_runs[0]))
+
+
+@pytest.mark.slow
 def test_resume_after_kill_continues_identically(toy_data, tmp_path):
     # Dropout on, so the resumed run must also restore the random streams.
     overrides = ["train.max_steps=20", "train.save_interval=10", "train.valid_interval=100", "model.dropout=0.1",
