@@ -4,14 +4,21 @@ Layout: ``OUTPUT_DIR/checkpoints/step<N>/`` (DeepSpeed's files for every rank), 
 pointer to the newest tag) and ``best`` (a symlink to the tag with the best valid BLEU).
 """
 
+import contextlib
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
 from dsmt import DsmtError
+from dsmt.config import ModelConfig
+from dsmt.files import staged_dir
+from dsmt.model import Transformer
 
 TAG = re.compile(r"^step(\d+)$")
 
@@ -74,3 +81,88 @@ def resume(engine, output_dir: str, mode: str) -> dict | None:
     if load_path is None:
         raise DsmtError(f"cannot load a checkpoint from {folder} (tag {tag or 'latest'})")
     return client_state
+
+
+# ---- Leaving DeepSpeed: one self-contained model directory ---------------------------------------------
+# MODEL_DIR holds model.pt (an fp32 state dict), config.yaml (the model config) and the sentencepiece
+# model, and loads without DeepSpeed.
+
+MODEL_FILE, CONFIG_FILE, SPM_FILE = "model.pt", "config.yaml", "spm.model"
+
+
+def _tag_dir(path: Path) -> Path:
+    """A DeepSpeed tag folder from a tag folder, a checkpoints folder or an output folder (``latest``)."""
+    for folder in (path, path / "checkpoints"):
+        if (folder / "latest").is_file():
+            return folder / (folder / "latest").read_text().strip()
+    return path
+
+
+def _model_states(tag_dir: Path) -> dict:
+    files = sorted(tag_dir.glob("*mp_rank_00_model_states.pt"))
+    if not files:
+        raise DsmtError(f"{tag_dir} is not a complete checkpoint (no DeepSpeed model states, no {MODEL_FILE}); "
+                        "pass a checkpoint folder written by dsmt train or dsmt export")
+    return torch.load(files[0], map_location="cpu", weights_only=False)
+
+
+def _deepspeed_weights(tag_dir: Path, states: dict) -> dict:
+    if states["ds_config"].get("zero_optimization", {}).get("stage", 0) == 0:
+        return states["module"]
+    # ZeRO-1/2/3 keep the fp32 master weights partitioned in the optimizer states: DeepSpeed's zero_to_fp32
+    # puts them back together. It reports on stdout, where `dsmt translate` writes translations.
+    with contextlib.redirect_stdout(sys.stderr):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        try:
+            return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+        except (FileNotFoundError, ValueError, KeyError) as e:
+            raise DsmtError(f"{tag_dir}: the ZeRO shards are incomplete ({e}); use another checkpoint") from None
+
+
+def load_model(path: str):
+    """(model in eval mode, model config, sentencepiece model path) from a MODEL_DIR or a DeepSpeed checkpoint."""
+    folder = Path(path)
+    if not folder.exists():
+        raise DsmtError(f"checkpoint {path} does not exist")
+    if (folder / MODEL_FILE).is_file():
+        model_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(folder / CONFIG_FILE))
+        weights, spm_path = torch.load(folder / MODEL_FILE, map_location="cpu"), folder / SPM_FILE
+    else:
+        tag_dir = _tag_dir(folder)
+        states = _model_states(tag_dir)
+        model_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), states["config"]["model"])
+        weights, spm_path = _deepspeed_weights(tag_dir, states), Path(states["spm"])
+    model = Transformer(model_cfg)
+    # Tied weights may be stored once (DeepSpeed issue 1896: zero_to_fp32 dropped them); tying restores them.
+    tied = {name for name, p in model.named_parameters(remove_duplicate=False)} - dict(model.named_parameters()).keys()
+    missing, unexpected = model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
+    if set(missing) - tied or unexpected:
+        raise DsmtError(f"{path} does not fit model {dict(model_cfg)}: missing {sorted(set(missing) - tied)[:3]}, "
+                        f"unexpected {sorted(unexpected)[:3]}")
+    if not spm_path.is_file():
+        raise DsmtError(f"{path}: sentencepiece model {spm_path} not found")
+    return model.eval(), model_cfg, spm_path
+
+
+def write_model_dir(out: str, state_dict: dict, model_cfg, spm_path: Path) -> None:
+    with staged_dir(Path(out)) as staging:
+        torch.save(state_dict, staging / MODEL_FILE)
+        (staging / CONFIG_FILE).write_text(OmegaConf.to_yaml(model_cfg))
+        shutil.copy(spm_path, staging / SPM_FILE)
+
+
+def export(checkpoint: str, out: str) -> None:
+    model, model_cfg, spm_path = load_model(checkpoint)
+    write_model_dir(out, model.state_dict(), model_cfg, spm_path)
+
+
+def average(checkpoints: list[str], out: str) -> None:
+    """Parameter averaging of several checkpoints of one model (fairseq's practice)."""
+    loaded = [load_model(path) for path in checkpoints]
+    model, model_cfg, spm_path = loaded[0]
+    states = [m.state_dict() for m, _, _ in loaded]
+    if any(s.keys() != states[0].keys() or any(s[k].shape != states[0][k].shape for k in s) for s in states):
+        raise DsmtError(f"checkpoints {checkpoints} are of different models; average checkpoints of one run")
+    averaged = {k: torch.stack([s[k].float() for s in states]).mean(0) for k in states[0]}
+    write_model_dir(out, averaged, model_cfg, spm_path)

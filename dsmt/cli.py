@@ -33,6 +33,50 @@ def _train(args) -> None:
     train(load_config(args.config, overrides))
 
 
+def _translator(args):
+    from dsmt.translate import Translator
+
+    return Translator(args.checkpoint, beam=args.beam, lenpen=args.lenpen, max_len_a=args.max_len_a,
+                      max_len_b=args.max_len_b, batch_tokens=args.batch_tokens)
+
+
+def _translate(args) -> None:
+    from dsmt.translate import translate_stream
+
+    translate_stream(_translator(args), args.input, args.output)
+
+
+def _evaluate(args) -> None:
+    from dsmt.translate import evaluate
+
+    scores = evaluate(_translator(args), args.src, args.ref, args.hypotheses)
+    print(scores["bleu_line"])
+    print(scores["chrf_line"])
+
+
+def _export(args) -> None:
+    from dsmt.checkpoint import export
+
+    export(args.checkpoint, args.out)
+    print(f"{args.out}: exported")
+
+
+def _average(args) -> None:
+    from dsmt.checkpoint import average
+
+    average(args.checkpoints, args.out)
+    print(f"{args.out}: average of {len(args.checkpoints)} checkpoints")
+
+
+def _add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", required=True, help="a model dir (dsmt export) or a DeepSpeed checkpoint")
+    parser.add_argument("--beam", type=int, default=5, help="beam size; 1 is greedy (default: 5)")
+    parser.add_argument("--lenpen", type=float, default=0.6, help="GNMT length penalty alpha (default: 0.6)")
+    parser.add_argument("--max-len-a", type=float, default=1.2, help="max output length = a * source length + b")
+    parser.add_argument("--max-len-b", type=int, default=10)
+    parser.add_argument("--batch-tokens", type=int, default=8000, help="source tokens × beam per batch")
+
+
 def _prepare(args) -> None:
     import tempfile
 
@@ -89,6 +133,29 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--raw-dir", help="multi30k: folder with the raw .gz files (default: ../shared/data/multi30k)")
     prepare.add_argument("--url", help="multi30k: base URL to download the raw files from")
     prepare.set_defaults(func=_prepare)
+
+    translate = verbs.add_parser("translate", help="translate raw text, one line per line")
+    _add_decoding_arguments(translate)
+    translate.add_argument("--input", default="-", help="a file, or - for stdin (default)")
+    translate.add_argument("--output", default="-", help="a file, or - for stdout (default)")
+    translate.set_defaults(func=_translate)
+
+    evaluate = verbs.add_parser("evaluate", help="translate a test set and print sacreBLEU and chrF")
+    _add_decoding_arguments(evaluate)
+    evaluate.add_argument("--src", required=True, help="source text file")
+    evaluate.add_argument("--ref", required=True, help="reference text file")
+    evaluate.add_argument("--hypotheses", help="also write the translations here")
+    evaluate.set_defaults(func=_evaluate)
+
+    export = verbs.add_parser("export", help="consolidate a (ZeRO) checkpoint into a self-contained model dir")
+    export.add_argument("--checkpoint", required=True, help="a step<N> folder, checkpoints folder or output dir")
+    export.add_argument("--out", required=True, help="the model dir to write")
+    export.set_defaults(func=_export)
+
+    average = verbs.add_parser("average", help="average the parameters of several checkpoints")
+    average.add_argument("--checkpoints", nargs="+", required=True)
+    average.add_argument("--out", required=True)
+    average.set_defaults(func=_average)
     return parser
 
 

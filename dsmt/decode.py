@@ -25,3 +25,67 @@ def greedy(logits_of, batch_size: int, device, bos: int, eos: int, pad: int, max
     for row in ys[:, 1:].tolist():
         hypotheses.append(row[: row.index(eos)] if eos in row else [t for t in row if t != pad])
     return hypotheses
+
+
+def reorder_cache(cache: list[dict], order: torch.Tensor) -> None:
+    """Make row i of every cached tensor the old row ``order[i]`` (beam search keeps the surviving beams)."""
+    for layer in cache:
+        for kind in layer.values():
+            for name, tensor in kind.items():
+                kind[name] = tensor.index_select(0, order)
+
+
+def length_penalty(length: int, alpha: float) -> float:
+    """GNMT's ((5 + length) / 6) ** alpha (Wu et al., 2016)."""
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+@torch.no_grad()
+def beam_search(model, src: torch.Tensor, bos: int, eos: int, pad: int, beam: int, lenpen: float, max_len: int,
+                nbest: int = 1) -> list[list[tuple[float, list[int]]]]:
+    """Batched beam search with the key/value cache; per sentence the ``nbest`` best (score, ids), the score
+    being the sum of token log-probabilities divided by the GNMT length penalty. A sentence stops once
+    ``beam`` hypotheses have ended; hypotheses still open after ``max_len`` tokens end there without EOS."""
+    batch, vocab, device = src.size(0), model.output.out_features, src.device
+    memory = model.encode(src).repeat_interleave(beam, dim=0)
+    src = src.repeat_interleave(beam, dim=0)
+    cache = model.empty_cache()
+    tokens = torch.full((batch * beam, 1), bos, dtype=torch.long, device=device)
+    scores = torch.full((batch, beam), float("-inf"), device=device)
+    scores[:, 0] = 0.0  # every beam starts as the same BOS: expand only the first
+    finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(batch)]
+    for step in range(max_len):
+        lprobs = torch.log_softmax(model.decode(tokens[:, -1:], memory, src, cache)[:, -1].float(), dim=-1)
+        lprobs[:, [pad, bos]] = float("-inf")
+        candidates = (scores[:, :, None] + lprobs.view(batch, beam, vocab)).view(batch, -1)
+        top_scores, top_ids = (t.tolist() for t in candidates.topk(2 * beam, dim=1))  # ≥ beam are not EOS
+        survivors = []
+        for b in range(batch):
+            kept = []
+            if len(finished[b]) < beam:
+                for rank, (score, flat) in enumerate(zip(top_scores[b], top_ids[b])):
+                    row, token = b * beam + flat // vocab, flat % vocab
+                    if score == float("-inf") or len(kept) == beam:
+                        break
+                    if token != eos:
+                        kept.append((row, token, score))
+                    elif rank < beam:  # an ending counts only if it is among the best `beam` candidates
+                        ids = tokens[row, 1:].tolist()
+                        finished[b].append((score / length_penalty(len(ids) + 1, lenpen), ids))
+                        if len(finished[b]) == beam:
+                            kept = []
+                            break
+                if step == max_len - 1:  # out of length: the open beams end here, without EOS
+                    finished[b] += [(score / length_penalty(step + 1, lenpen), tokens[row, 1:].tolist() + [token])
+                                    for row, token, score in kept]
+            # A finished sentence keeps `beam` dead rows so that the batch keeps its shape.
+            kept = kept or [(b * beam, pad, float("-inf"))]
+            survivors += kept + [kept[0][:2] + (float("-inf"),)] * (beam - len(kept))
+        if step == max_len - 1 or all(len(f) >= beam for f in finished):
+            break
+        rows, next_tokens, next_scores = zip(*survivors)
+        order = torch.tensor(rows, device=device)
+        reorder_cache(cache, order)
+        tokens = torch.cat([tokens.index_select(0, order), torch.tensor(next_tokens, device=device)[:, None]], dim=1)
+        scores = torch.tensor(next_scores, device=device).view(batch, beam)
+    return [sorted(hyps, key=lambda h: -h[0])[:nbest] for hyps in finished]

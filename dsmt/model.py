@@ -46,15 +46,32 @@ class Attention(nn.Module):
         batch, length, _ = x.shape
         return x.view(batch, length, self.n_heads, -1).transpose(1, 2)
 
-    def forward(self, x, memory=None, mask=None, causal=False):
-        """Self-attention when ``memory`` is None, else attention from ``x`` to ``memory``."""
+    def forward(self, x, memory=None, mask=None, causal=False, cache=None):
+        """Self-attention when ``memory`` is None, else attention from ``x`` to ``memory``.
+
+        ``cache`` (a dict owned by the decoding code) makes decoding incremental: self-attention appends
+        this step's keys/values to it, cross-attention computes the memory's keys/values once.
+        """
         if memory is None:
-            q, k, v = self.qkv(x).chunk(3, dim=-1)
+            q, k, v = (self._heads(t) for t in self.qkv(x).chunk(3, dim=-1))
+            if cache is not None:
+                if "k" in cache:
+                    if x.size(1) != 1:
+                        raise ValueError("incremental decoding feeds one token per step")
+                    # One new query at the newest position may see every cached key. is_causal would be
+                    # wrong here: SDPA aligns it top-left when query and key lengths differ (pytorch#103082).
+                    k, v, causal = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2), False
+                cache["k"], cache["v"] = k, v
         else:
-            q, (k, v) = self.q(x), self.kv(memory).chunk(2, dim=-1)
-        out = F.scaled_dot_product_attention(
-            self._heads(q), self._heads(k), self._heads(v), attn_mask=mask,
-            dropout_p=self.dropout if self.training else 0.0, is_causal=causal)
+            q = self._heads(self.q(x))
+            if cache is not None and "k" in cache:
+                k, v = cache["k"], cache["v"]
+            else:
+                k, v = (self._heads(t) for t in self.kv(memory).chunk(2, dim=-1))
+                if cache is not None:
+                    cache["k"], cache["v"] = k, v
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                             dropout_p=self.dropout if self.training else 0.0, is_causal=causal)
         return self.out(out.transpose(1, 2).flatten(2))
 
 
@@ -98,9 +115,10 @@ class DecoderLayer(nn.Module):
         self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout)
         self.residuals = nn.ModuleList(Residual(cfg.d_model, cfg.dropout, cfg.norm_first) for _ in range(3))
 
-    def forward(self, x, memory, src_mask):
-        x = self.residuals[0](x, lambda h: self.self_attn(h, causal=True))
-        x = self.residuals[1](x, lambda h: self.cross_attn(h, memory, mask=src_mask))
+    def forward(self, x, memory, src_mask, cache=None):
+        self_cache, cross_cache = (None, None) if cache is None else (cache["self"], cache["cross"])
+        x = self.residuals[0](x, lambda h: self.self_attn(h, causal=True, cache=self_cache))
+        x = self.residuals[1](x, lambda h: self.cross_attn(h, memory, mask=src_mask, cache=cross_cache))
         return self.residuals[2](x, self.ffn)
 
 
@@ -155,14 +173,14 @@ class Transformer(nn.Module):
                 if module.padding_idx is not None:
                     nn.init.zeros_(module.weight[module.padding_idx])
 
-    def _embed(self, table: nn.Embedding, tokens: torch.Tensor) -> torch.Tensor:
-        length = tokens.size(1)
-        if length > self.max_positions:
-            raise ValueError(f"sequence of {length} tokens exceeds model.max_positions={self.max_positions}")
+    def _embed(self, table: nn.Embedding, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+        end = start + tokens.size(1)
+        if end > self.max_positions:
+            raise ValueError(f"sequence of {end} tokens exceeds model.max_positions={self.max_positions}")
         if hasattr(self, "learned_positions"):  # called, not indexed, so ZeRO-3 gathers it
-            positions = self.learned_positions(torch.arange(length, device=tokens.device))
+            positions = self.learned_positions(torch.arange(start, end, device=tokens.device))
         else:
-            positions = self.sinusoids[:length]
+            positions = self.sinusoids[start:end]
         x = table(tokens)
         return self.embed_dropout(x * self.embed_scale + positions.to(x.dtype))
 
@@ -174,12 +192,22 @@ class Transformer(nn.Module):
             x = layer(x, src_mask)
         return self.encoder_norm(x)
 
-    def decode(self, tgt_tokens: torch.Tensor, memory: torch.Tensor, src_tokens: torch.Tensor) -> torch.Tensor:
-        """``[B, T]`` target-side inputs, the memory of ``src_tokens`` → logits ``[B, T, vocab]``."""
+    def empty_cache(self) -> list[dict]:
+        """A key/value cache for incremental ``decode``, one entry per decoder layer."""
+        return [{"self": {}, "cross": {}} for _ in self.decoder_layers]
+
+    def decode(self, tgt_tokens: torch.Tensor, memory: torch.Tensor, src_tokens: torch.Tensor,
+               cache: list[dict] | None = None) -> torch.Tensor:
+        """``[B, T]`` target-side inputs, the memory of ``src_tokens`` → logits ``[B, T, vocab]``.
+
+        With a ``cache`` (from ``empty_cache``), ``tgt_tokens`` holds only the tokens after those already
+        cached: the whole prefix on the first call, then one token per step.
+        """
         src_mask = key_padding_mask(src_tokens, self.pad_id)
-        x = self._embed(self.tgt_embed, tgt_tokens)
-        for layer in self.decoder_layers:
-            x = layer(x, memory, src_mask)
+        start = cache[0]["self"]["k"].size(2) if cache and "k" in cache[0]["self"] else 0
+        x = self._embed(self.tgt_embed, tgt_tokens, start)
+        for i, layer in enumerate(self.decoder_layers):
+            x = layer(x, memory, src_mask, None if cache is None else cache[i])
         return self.output(self.decoder_norm(x))
 
     def forward(self, src_tokens: torch.Tensor, tgt_tokens: torch.Tensor) -> torch.Tensor:

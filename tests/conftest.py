@@ -27,3 +27,16 @@ def run_env(**extra):
 
 
 PYTHON = sys.executable
+
+
+@pytest.fixture(scope="session")
+def toy_data(tmp_path_factory):
+    """The toy corpus, prepared once per test session."""
+    from dsmt.data.corpora import write_toy_corpus
+    from dsmt.data.prepare import PrepareOptions, prepare
+
+    folder = tmp_path_factory.mktemp("toy")
+    raw = folder / "raw"
+    raw.mkdir()
+    prepare(write_toy_corpus(raw), str(folder / "data"), PrepareOptions("en", "de", vocab_size=300))
+    return folder / "data"

@@ -8,7 +8,6 @@ import torch.nn.functional as F
 
 from dsmt import DsmtError
 from dsmt.checkpoint import prune
-from dsmt.data.corpora import write_toy_corpus
 from dsmt.data.prepare import PrepareOptions, prepare
 from dsmt.decode import greedy
 from dsmt.engine import fill_ds_config, inverse_sqrt, read_ds_config
@@ -18,15 +17,6 @@ from tests.training import kill_after, losses, records, train, train_command, fr
 
 DS_CONFIGS = sorted((REPO / "ds_configs").glob("*.json"))
 CPU = ("cpu", False, True)  # accelerator name, fp16 supported, bf16 supported
-
-
-@pytest.fixture(scope="session")
-def toy_data(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("toy")
-    raw = folder / "raw"
-    raw.mkdir()
-    prepare(write_toy_corpus(raw), str(folder / "data"), PrepareOptions("en", "de", vocab_size=300))
-    return folder / "data"
 
 
 # ---- units: loss, schedule, greedy, ds_config filling, pruning ---------------------------------------

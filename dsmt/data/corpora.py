@@ -19,17 +19,22 @@ def text_file(prefix: str, lang: str) -> Path:
     raise DsmtError(f"{prefix}.{lang} not found (nor {prefix}.{lang}.gz); check the prefix and --src/--tgt")
 
 
+def decode_lines(stream, name) -> list[str]:
+    """The lines of a binary stream as text, or an error naming the first line that is not UTF-8."""
+    lines = []
+    for number, raw in enumerate(stream, 1):
+        try:
+            lines.append(raw.decode("utf-8").rstrip("\r\n"))
+        except UnicodeDecodeError as e:
+            raise DsmtError(f"{name}:{number}: not valid UTF-8 ({e.reason} at byte {e.start}); "
+                            "re-encode the file as UTF-8") from None
+    return lines
+
+
 def read_lines(path: Path) -> list[str]:
     opener = gzip.open if path.suffix == ".gz" else open
-    lines = []
     with opener(path, "rb") as f:
-        for number, raw in enumerate(f, 1):
-            try:
-                lines.append(raw.decode("utf-8").rstrip("\r\n"))
-            except UnicodeDecodeError as e:
-                raise DsmtError(f"{path}:{number}: not valid UTF-8 ({e.reason} at byte {e.start}); "
-                                "re-encode the file as UTF-8") from None
-    return lines
+        return decode_lines(f, path)
 
 
 def read_parallel(prefix: str, src: str, tgt: str) -> tuple[list[str], list[str], list[Path]]:

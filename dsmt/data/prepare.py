@@ -10,7 +10,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from tqdm import tqdm
 
 from dsmt import DsmtError
 from dsmt.data.corpora import read_parallel, text_file
+from dsmt.files import staged_dir
 
 FORMAT_VERSION = 1
 SPECIALS = {"pad": 0, "unk": 1, "bos": 2, "eos": 3}
@@ -145,15 +145,6 @@ def _build(corpora: dict, folder: Path, options: PrepareOptions, fingerprint: st
     return meta
 
 
-def _replace_dir(new: Path, out: Path) -> None:
-    """Put ``new`` at ``out``; an older dataset there is removed only once the new one is in place."""
-    old = out.with_name(f".{out.name}.old-{os.getpid()}")
-    if out.exists():
-        out.rename(old)
-    new.rename(out)
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def prepare(splits: dict[str, str], out: str, options: PrepareOptions) -> dict:
     """Binarize ``splits`` (name → file prefix; needs 'train' and 'valid') into ``out``; returns its meta.
 
@@ -171,16 +162,8 @@ def prepare(splits: dict[str, str], out: str, options: PrepareOptions) -> dict:
         raise DsmtError(f"--out {out_dir} exists and is not a dsmt data directory; choose another path")
 
     corpora = {name: read_parallel(prefix, options.src, options.tgt) for name, prefix in splits.items()}
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    try:
+    with staged_dir(out_dir) as staging:
         meta = _build(corpora, staging, options, fingerprint)
-        _replace_dir(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     train = meta["splits"]["train"]
     print(f"{out_dir}: {train['pairs']} training pairs kept of {train['raw_pairs']} (dropped {train['dropped']}), "
           f"vocabulary {meta['vocab_size']}, splits {list(meta['splits'])}")

@@ -1,0 +1,88 @@
+"""Raw text in, detokenized translations out: sentencepiece, token-bounded batches, beam search."""
+
+import sys
+
+import numpy as np
+import sacrebleu
+import sentencepiece as spm
+import torch
+
+from dsmt import DsmtError
+from dsmt.checkpoint import load_model
+from dsmt.data.batching import token_batches
+from dsmt.data.corpora import decode_lines
+from dsmt.decode import beam_search
+
+
+class Translator:
+    def __init__(self, checkpoint: str, beam: int = 5, lenpen: float = 0.6, max_len_a: float = 1.2,
+                 max_len_b: int = 10, batch_tokens: int = 8000):
+        self.model, model_cfg, spm_path = load_model(checkpoint)
+        self.sp = spm.SentencePieceProcessor(model_file=str(spm_path))
+        if self.sp.vocab_size() != model_cfg.vocab_size:
+            raise DsmtError(f"{checkpoint}: the sentencepiece model has {self.sp.vocab_size()} pieces but the model "
+                            f"{model_cfg.vocab_size}; the checkpoint and its vocabulary do not belong together")
+        self.pad, self.bos, self.eos = self.sp.pad_id(), self.sp.bos_id(), self.sp.eos_id()
+        self.beam, self.lenpen, self.max_len_a, self.max_len_b = beam, lenpen, max_len_a, max_len_b
+        self.batch_tokens = batch_tokens
+
+    def translate(self, lines: list[str]) -> list[str]:
+        """One translation per line, in order; an empty line stays empty."""
+        ids = [self.sp.encode(line) + [self.eos] if line.strip() else [] for line in lines]
+        todo = np.array([i for i, x in enumerate(ids) if x], dtype=np.int64)
+        out = [""] * len(lines)
+        if not len(todo):
+            return out
+        lengths = np.array([len(x) for x in ids])
+        # Beam search holds beam × the source rows: bound that, sorted by length to keep padding low.
+        order = todo[np.argsort(lengths[todo], kind="stable")]
+        for batch in token_batches(lengths, lengths, max(self.batch_tokens // self.beam, int(lengths.max())), order):
+            src = torch.full((len(batch), int(lengths[batch].max())), self.pad, dtype=torch.long)
+            for row, i in enumerate(batch):
+                src[row, : lengths[i]] = torch.tensor(ids[i])
+            max_len = int(self.max_len_a * src.size(1) + self.max_len_b)
+            best = beam_search(self.model, src, self.bos, self.eos, self.pad, self.beam, self.lenpen, max_len)
+            for i, hyps in zip(batch, best):
+                out[i] = self.sp.decode(hyps[0][1])
+        return out
+
+
+def open_input(path: str):
+    return sys.stdin.buffer if path == "-" else open(path, "rb")
+
+
+def read_input(path: str) -> list[str]:
+    try:
+        with open_input(path) as stream:
+            return decode_lines(stream, "stdin" if path == "-" else path)
+    except FileNotFoundError:
+        raise DsmtError(f"input file {path} not found") from None
+
+
+def translate_stream(translator: Translator, source: str, target: str) -> None:
+    """Whole files are batched; an interactive terminal on stdin is answered line by line."""
+    out = sys.stdout if target == "-" else open(target, "w", encoding="utf-8")
+    try:
+        if source == "-" and sys.stdin.isatty():
+            for number, raw in enumerate(sys.stdin.buffer, 1):
+                print(translator.translate(decode_lines([raw], f"stdin:{number}"))[0], file=out, flush=True)
+        else:
+            for line in translator.translate(read_input(source)):
+                print(line, file=out)
+    finally:
+        if out is not sys.stdout:
+            out.close()
+
+
+def evaluate(translator: Translator, src: str, ref: str, hypotheses_out: str | None = None) -> dict:
+    sources, references = read_input(src), read_input(ref)
+    if len(sources) != len(references):
+        raise DsmtError(f"{src} has {len(sources)} lines but {ref} has {len(references)}")
+    hypotheses = translator.translate(sources)
+    if hypotheses_out:
+        with open(hypotheses_out, "w", encoding="utf-8") as f:
+            f.writelines(h + "\n" for h in hypotheses)
+    bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
+    bleu_score, chrf_score = bleu.corpus_score(hypotheses, [references]), chrf.corpus_score(hypotheses, [references])
+    return {"bleu": bleu_score.score, "chrf": chrf_score.score,
+            "bleu_line": f"{bleu_score} {bleu.get_signature()}", "chrf_line": f"{chrf_score} {chrf.get_signature()}"}

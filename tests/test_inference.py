@@ -1,0 +1,190 @@
+import subprocess
+
+import pytest
+import sacrebleu
+import torch
+
+from dsmt.checkpoint import load_model
+from dsmt.config import ModelConfig
+from dsmt.decode import beam_search, greedy, length_penalty
+from dsmt.model import Transformer
+from tests.conftest import PYTHON, REPO, run_env
+from tests.training import train
+
+BOS, EOS, PAD = 2, 3, 0
+
+
+def dsmt(*args, stdin=None):
+    return subprocess.run([PYTHON, "-m", "dsmt.cli", *args], capture_output=True, text=True, env=run_env(),
+                          cwd=REPO, input=stdin)
+
+
+def random_model(**kw):
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=40, d_model=32, n_heads=4, n_encoder_layers=2, n_decoder_layers=2, d_ff=64, pad_id=PAD)
+    return Transformer(ModelConfig(**{**cfg, **kw})).eval()
+
+
+def sources():
+    src = torch.randint(4, 40, (3, 7))
+    src[1, 4:] = PAD
+    src[2, 2:] = PAD
+    src[[0, 1, 2], [6, 3, 1]] = EOS
+    return src
+
+
+@pytest.mark.parametrize("kw", [{}, {"positions": "learned", "norm_first": False}])
+def test_cached_decoding_equals_full_recomputation(kw):
+    model, src = random_model(**kw), sources()
+    with torch.no_grad():
+        memory = model.encode(src)
+        cache, prefix = model.empty_cache(), torch.full((3, 1), BOS)
+        for _ in range(12):
+            step = torch.log_softmax(model.decode(prefix[:, -1:], memory, src, cache)[:, -1], -1)
+            full = torch.log_softmax(model.decode(prefix, memory, src)[:, -1], -1)
+            assert torch.allclose(step, full, atol=1e-5)
+            prefix = torch.cat([prefix, torch.multinomial(step.exp(), 1)], 1)  # any path, not only greedy's
+
+
+@pytest.fixture(scope="module")
+def trained(toy_data, tmp_path_factory):
+    """Checkpoints of 2-rank runs with shared embeddings, and their exports: 80 steps at ZeRO-0 (a model that
+    translates), and 3 steps at ZeRO-0 and ZeRO-3 whose weights must agree to round-off. Those take a tiny lr:
+    the key projections' bias gets gradients that are zero up to round-off, which Adam turns into steps of ±lr
+    whose signs differ between stages."""
+    root = tmp_path_factory.mktemp("inference")
+    for name, stage, steps, lr in (("zero0", 0, 80, 3e-3), ("short0", 0, 3, 1e-8), ("short3", 3, 3, 1e-8)):
+        train(toy_data, root / name, f"train.max_steps={steps}", "train.valid_interval=1000", "train.save_interval=40",
+              "model.share_embeddings=true", "data.max_tokens=2048", f"train.lr={lr}", ranks=2,
+              ds=f"ds_configs/zero{stage}.json")
+        result = dsmt("export", "--checkpoint", str(root / name), "--out", str(root / f"export_{name}"))
+        assert result.returncode == 0, result.stderr
+    return root, toy_data
+
+
+def test_beam_one_is_greedy_and_beam_five_scores_higher(trained):
+    root, data = trained
+    model = load_model(str(root / "export_zero0"))[0]
+    lines = [line for line in (data / "test.en.txt").read_text().splitlines()[:40]]
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(root / "export_zero0" / "spm.model"))
+    ids = [sp.encode(line) + [EOS] for line in lines]
+    src = torch.full((len(ids), max(map(len, ids))), PAD)
+    for row, x in enumerate(ids):
+        src[row, : len(x)] = torch.tensor(x)
+    memory = model.encode(src)
+    greedy_ids = greedy(lambda prefix: model.decode(prefix, memory, src), len(ids), "cpu", BOS, EOS, PAD, 30)
+    beam1 = beam_search(model, src, BOS, EOS, PAD, beam=1, lenpen=0.6, max_len=30)
+    assert [h[0][1] for h in beam1] == greedy_ids
+    beam5 = beam_search(model, src, BOS, EOS, PAD, beam=5, lenpen=0.6, max_len=30, nbest=5)
+    for one, five in zip(beam1, beam5):
+        assert five[0][0] >= one[0][0] - 1e-6
+        assert [s for s, _ in five] == sorted([s for s, _ in five], reverse=True)
+
+
+def test_scores_are_length_normalized_log_probabilities(trained):
+    root, _ = trained
+    model = load_model(str(root / "export_zero0"))[0]
+    src = sources().clamp(max=model.output.out_features - 1)
+    (score, ids), = beam_search(model, src[:1], BOS, EOS, PAD, beam=3, lenpen=1.0, max_len=20)[0]
+    target = torch.tensor([[BOS] + ids + ([EOS] if len(ids) < 20 else [])])
+    lprobs = torch.log_softmax(model(src[:1], target[:, :-1]), -1)
+    total = lprobs[0, torch.arange(target.size(1) - 1), target[0, 1:]].sum().item()
+    assert score == pytest.approx(total / length_penalty(target.size(1) - 1, 1.0), abs=1e-4)
+
+
+def test_export_keeps_tied_weights_and_translations(trained):
+    root, data = trained
+    exported = torch.load(root / "export_short3" / "model.pt")
+    assert "output.weight" in exported and torch.equal(exported["output.weight"], exported["src_embed.weight"])
+    text = "\n".join((data / "test.en.txt").read_text().splitlines()[:30]) + "\n"
+    from_checkpoint = dsmt("translate", "--checkpoint", str(root / "short3"), stdin=text)
+    from_export = dsmt("translate", "--checkpoint", str(root / "export_short3"), stdin=text)
+    assert from_checkpoint.returncode == 0, from_checkpoint.stderr
+    assert from_checkpoint.stdout == from_export.stdout and len(from_export.stdout.splitlines()) == 30
+
+
+def test_zero3_and_zero0_exports_agree(trained):
+    root, _ = trained
+    zero0, zero3 = (torch.load(root / f"export_short{stage}" / "model.pt") for stage in (0, 3))
+    assert zero0.keys() == zero3.keys()
+    for name in zero0:
+        assert torch.allclose(zero0[name], zero3[name], atol=1e-6), name
+
+
+def test_translate_keeps_lines_order_and_empty_lines(trained, tmp_path):
+    root, data = trained
+    lines = data.joinpath("test.en.txt").read_text().splitlines()[:12]
+    lines[3] = lines[7] = ""
+    source = tmp_path / "in.txt"
+    source.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.txt"
+    from_file = dsmt("translate", "--checkpoint", str(root / "export_zero0"), "--input", str(source),
+                     "--output", str(out), "--batch-tokens", "100")
+    assert from_file.returncode == 0, from_file.stderr
+    translated = out.read_text().splitlines()
+    assert len(translated) == 12 and translated[3] == translated[7] == "" and all(translated[i] for i in (0, 5, 11))
+    from_stdin = dsmt("translate", "--checkpoint", str(root / "export_zero0"), stdin=source.read_text())
+    assert from_stdin.stdout.splitlines() == translated
+    # Order: each line translated alone gives the same output as in the batch.
+    alone = dsmt("translate", "--checkpoint", str(root / "export_zero0"), stdin=lines[5] + "\n")
+    assert alone.stdout.strip() == translated[5]
+
+
+def test_evaluate_prints_signature_and_sacrebleu_score(trained, tmp_path):
+    root, data = trained
+    hyps = tmp_path / "hyps.txt"
+    result = dsmt("evaluate", "--checkpoint", str(root / "export_zero0"), "--src", str(data / "test.en.txt"),
+                  "--ref", str(data / "test.de.txt"), "--hypotheses", str(hyps))
+    assert result.returncode == 0, result.stderr
+    bleu_line, chrf_line = result.stdout.strip().splitlines()
+    assert "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:" in bleu_line and chrf_line.startswith("chrF2")
+    expected = sacrebleu.corpus_bleu(hyps.read_text().splitlines(), [(data / "test.de.txt").read_text().splitlines()])
+    assert bleu_line.startswith(f"BLEU = {expected.score:.2f}")
+
+
+def test_average_of_checkpoints(trained, tmp_path):
+    root, _ = trained
+    steps = [root / "zero0" / "checkpoints" / f"step{s}" for s in (40, 80)]
+    result = dsmt("average", "--checkpoints", *map(str, steps), "--out", str(tmp_path / "avg"))
+    assert result.returncode == 0, result.stderr
+    averaged = torch.load(tmp_path / "avg" / "model.pt")
+    first, second = (load_model(str(s))[0].state_dict() for s in steps)
+    for name in averaged:
+        assert torch.allclose(averaged[name], (first[name] + second[name]) / 2, atol=1e-6)
+
+
+@pytest.mark.parametrize("case, words", [
+    ("missing", ["does not exist"]),
+    ("partial", ["not a complete checkpoint"]),
+    ("vocab", ["sentencepiece model has", "do not belong together"]),
+    ("bad_utf8", ["stdin:2", "UTF-8"]),
+])
+def test_inference_errors_are_one_line(trained, tmp_path, case, words):
+    import shutil
+
+    root, data = trained
+    checkpoint, stdin = root / "export_zero0", b"A dog.\n"
+    if case == "missing":
+        checkpoint = tmp_path / "nothing"
+    elif case == "partial":
+        checkpoint = tmp_path / "step10"
+        checkpoint.mkdir()
+    elif case == "vocab":
+        checkpoint = tmp_path / "mismatch"
+        shutil.copytree(root / "export_zero0", checkpoint)
+        shutil.copy(data / "spm.model", checkpoint / "spm.model")
+        import sentencepiece as spm
+
+        spm.SentencePieceTrainer.train(sentence_iterator=iter((data / "valid.de.txt").read_text().splitlines()),
+                                       model_prefix=str(tmp_path / "other"), vocab_size=100, minloglevel=2)
+        shutil.copy(tmp_path / "other.model", checkpoint / "spm.model")
+    elif case == "bad_utf8":
+        stdin = b"A dog.\n\xff\xfe broken\n"
+    result = subprocess.run([PYTHON, "-m", "dsmt.cli", "translate", "--checkpoint", str(checkpoint)],
+                            capture_output=True, env=run_env(), cwd=REPO, input=stdin)
+    stderr = result.stderr.decode()
+    assert result.returncode == 2 and "Traceback" not in stderr, stderr
+    for word in words:
+        assert word in stderr
