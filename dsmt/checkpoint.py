@@ -84,10 +84,11 @@ def resume(engine, output_dir: str, mode: str) -> dict | None:
 
 
 # ---- Leaving DeepSpeed: one self-contained model directory ---------------------------------------------
-# MODEL_DIR holds model.pt (an fp32 state dict), config.yaml (the model config) and the sentencepiece
-# model, and loads without DeepSpeed.
+# MODEL_DIR holds model.pt (an fp32 state dict), config.yaml (the model config) and the source and target
+# sentencepiece models (the same model twice for a joint vocabulary), and loads without DeepSpeed.
 
-MODEL_FILE, CONFIG_FILE, SPM_FILE = "model.pt", "config.yaml", "spm.model"
+MODEL_FILE, CONFIG_FILE = "model.pt", "config.yaml"
+SPM_FILES = {"src": "spm.src.model", "tgt": "spm.tgt.model"}
 
 
 def _tag_dir(path: Path) -> Path:
@@ -121,18 +122,19 @@ def _deepspeed_weights(tag_dir: Path, states: dict) -> dict:
 
 
 def load_model(path: str):
-    """(model in eval mode, model config, sentencepiece model path) from a MODEL_DIR or a DeepSpeed checkpoint."""
+    """(model in eval mode, model config, {"src", "tgt"} sentencepiece model paths) from a MODEL_DIR or a DeepSpeed checkpoint."""
     folder = Path(path)
     if not folder.exists():
         raise DsmtError(f"checkpoint {path} does not exist")
     if (folder / MODEL_FILE).is_file():
         model_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(folder / CONFIG_FILE))
-        weights, spm_path = torch.load(folder / MODEL_FILE, map_location="cpu"), folder / SPM_FILE
+        weights = torch.load(folder / MODEL_FILE, map_location="cpu")
+        spm_paths = {side: folder / name for side, name in SPM_FILES.items()}
     else:
         tag_dir = _tag_dir(folder)
         states = _model_states(tag_dir)
         model_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), states["config"]["model"])
-        weights, spm_path = _deepspeed_weights(tag_dir, states), Path(states["spm"])
+        weights, spm_paths = _deepspeed_weights(tag_dir, states), {k: Path(v) for k, v in states["spm"].items()}
     model = Transformer(model_cfg)
     # Tied weights may be stored once (DeepSpeed issue 1896: zero_to_fp32 dropped them); tying restores them.
     tied = {name for name, p in model.named_parameters(remove_duplicate=False)} - dict(model.named_parameters()).keys()
@@ -140,29 +142,31 @@ def load_model(path: str):
     if set(missing) - tied or unexpected:
         raise DsmtError(f"{path} does not fit model {dict(model_cfg)}: missing {sorted(set(missing) - tied)[:3]}, "
                         f"unexpected {sorted(unexpected)[:3]}")
-    if not spm_path.is_file():
-        raise DsmtError(f"{path}: sentencepiece model {spm_path} not found")
-    return model.eval(), model_cfg, spm_path
+    for spm_path in spm_paths.values():
+        if not spm_path.is_file():
+            raise DsmtError(f"{path}: sentencepiece model {spm_path} not found")
+    return model.eval(), model_cfg, spm_paths
 
 
-def write_model_dir(out: str, state_dict: dict, model_cfg, spm_path: Path) -> None:
+def write_model_dir(out: str, state_dict: dict, model_cfg, spm_paths: dict) -> None:
     with staged_dir(Path(out)) as staging:
         torch.save(state_dict, staging / MODEL_FILE)
         (staging / CONFIG_FILE).write_text(OmegaConf.to_yaml(model_cfg))
-        shutil.copy(spm_path, staging / SPM_FILE)
+        for side, name in SPM_FILES.items():
+            shutil.copy(spm_paths[side], staging / name)
 
 
 def export(checkpoint: str, out: str) -> None:
-    model, model_cfg, spm_path = load_model(checkpoint)
-    write_model_dir(out, model.state_dict(), model_cfg, spm_path)
+    model, model_cfg, spm_paths = load_model(checkpoint)
+    write_model_dir(out, model.state_dict(), model_cfg, spm_paths)
 
 
 def average(checkpoints: list[str], out: str) -> None:
     """Parameter averaging of several checkpoints of one model (fairseq's practice)."""
     loaded = [load_model(path) for path in checkpoints]
-    model, model_cfg, spm_path = loaded[0]
+    model, model_cfg, spm_paths = loaded[0]
     states = [m.state_dict() for m, _, _ in loaded]
     if any(s.keys() != states[0].keys() or any(s[k].shape != states[0][k].shape for k in s) for s in states):
         raise DsmtError(f"checkpoints {checkpoints} are of different models; average checkpoints of one run")
     averaged = {k: torch.stack([s[k].float() for s in states]).mean(0) for k in states[0]}
-    write_model_dir(out, averaged, model_cfg, spm_path)
+    write_model_dir(out, averaged, model_cfg, spm_paths)

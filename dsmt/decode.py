@@ -42,20 +42,22 @@ def length_penalty(length: int, alpha: float) -> float:
 
 @torch.no_grad()
 def beam_search(model, src: torch.Tensor, bos: int, eos: int, pad: int, beam: int, lenpen: float, max_len: int,
-                nbest: int = 1) -> list[list[tuple[float, list[int]]]]:
-    """Batched beam search with the key/value cache; per sentence the ``nbest`` best (score, ids), the score
-    being the sum of token log-probabilities divided by the GNMT length penalty. A sentence stops once
-    ``beam`` hypotheses have ended; hypotheses still open after ``max_len`` tokens end there without EOS."""
+                nbest: int = 1, use_cache: bool = True) -> list[list[tuple[float, list[int]]]]:
+    """Batched beam search; per sentence the ``nbest`` best (score, ids), the score being the sum of token
+    log-probabilities divided by the GNMT length penalty. A sentence stops once ``beam`` hypotheses have
+    ended; hypotheses still open after ``max_len`` tokens end there without EOS. ``use_cache=False``
+    recomputes the decoder over the whole prefix at every step (the baseline the cache is measured against)."""
     batch, vocab, device = src.size(0), model.output.out_features, src.device
     memory = model.encode(src).repeat_interleave(beam, dim=0)
     src = src.repeat_interleave(beam, dim=0)
-    cache = model.empty_cache()
+    cache = model.empty_cache() if use_cache else None
     tokens = torch.full((batch * beam, 1), bos, dtype=torch.long, device=device)
     scores = torch.full((batch, beam), float("-inf"), device=device)
     scores[:, 0] = 0.0  # every beam starts as the same BOS: expand only the first
     finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(batch)]
     for step in range(max_len):
-        lprobs = torch.log_softmax(model.decode(tokens[:, -1:], memory, src, cache)[:, -1].float(), dim=-1)
+        logits = model.decode(tokens[:, -1:], memory, src, cache) if use_cache else model.decode(tokens, memory, src)
+        lprobs = torch.log_softmax(logits[:, -1].float(), dim=-1)
         lprobs[:, [pad, bos]] = float("-inf")
         candidates = (scores[:, :, None] + lprobs.view(batch, beam, vocab)).view(batch, -1)
         top_scores, top_ids = (t.tolist() for t in candidates.topk(2 * beam, dim=1))  # ≥ beam are not EOS
@@ -85,7 +87,8 @@ def beam_search(model, src: torch.Tensor, bos: int, eos: int, pad: int, beam: in
             break
         rows, next_tokens, next_scores = zip(*survivors)
         order = torch.tensor(rows, device=device)
-        reorder_cache(cache, order)
+        if use_cache:
+            reorder_cache(cache, order)
         tokens = torch.cat([tokens.index_select(0, order), torch.tensor(next_tokens, device=device)[:, None]], dim=1)
         scores = torch.tensor(next_scores, device=device).view(batch, beam)
     return [sorted(hyps, key=lambda h: -h[0])[:nbest] for hyps in finished]

@@ -53,8 +53,8 @@ class Trainer:
         self.train_data = ParallelData(cfg.data.dir, "train")
         self.valid_data = ParallelData(cfg.data.dir, cfg.data.valid_split)
         self.references = (Path(cfg.data.dir) / f"{cfg.data.valid_split}.{meta['tgt']}.txt").read_text().splitlines()
-        self.spm_path = str(Path(cfg.data.dir) / meta["spm"][meta["tgt"]])
-        self.sp = spm.SentencePieceProcessor(model_file=self.spm_path)
+        self.spm_paths = {side: str(Path(cfg.data.dir) / meta["spm"][meta[side]]) for side in ("src", "tgt")}
+        self.sp = spm.SentencePieceProcessor(model_file=self.spm_paths["tgt"])
 
         torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
         self.engine, ds_config = build_engine(Transformer(cfg.model), cfg, self.world)
@@ -164,7 +164,7 @@ class Trainer:
 
     def save(self, best: bool) -> None:
         client_state = {"step": self.step, "data": self.stream.state_dict(), "best_bleu": self.best_bleu,
-                        "config": OmegaConf.to_container(self.cfg), "spm": self.spm_path}
+                        "config": OmegaConf.to_container(self.cfg), "spm": self.spm_paths}
         checkpoint.save(self.engine, self.cfg.train.output_dir, self.step, client_state, self.cfg.train.keep_last, best)
 
     def run(self) -> None:

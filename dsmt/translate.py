@@ -6,6 +6,7 @@ import numpy as np
 import sacrebleu
 import sentencepiece as spm
 import torch
+from tqdm import tqdm
 
 from dsmt import DsmtError
 from dsmt.checkpoint import load_model
@@ -16,19 +17,20 @@ from dsmt.decode import beam_search
 
 class Translator:
     def __init__(self, checkpoint: str, beam: int = 5, lenpen: float = 0.6, max_len_a: float = 1.2,
-                 max_len_b: int = 10, batch_tokens: int = 8000):
-        self.model, model_cfg, spm_path = load_model(checkpoint)
-        self.sp = spm.SentencePieceProcessor(model_file=str(spm_path))
-        if self.sp.vocab_size() != model_cfg.vocab_size:
-            raise DsmtError(f"{checkpoint}: the sentencepiece model has {self.sp.vocab_size()} pieces but the model "
-                            f"{model_cfg.vocab_size}; the checkpoint and its vocabulary do not belong together")
+                 max_len_b: int = 10, batch_tokens: int = 8000, use_cache: bool = True):
+        self.model, model_cfg, spm_paths = load_model(checkpoint)
+        self.src_sp, self.sp = (spm.SentencePieceProcessor(model_file=str(spm_paths[side])) for side in ("src", "tgt"))
+        for sp, size in ((self.src_sp, model_cfg.src_vocab_size or model_cfg.vocab_size), (self.sp, model_cfg.vocab_size)):
+            if sp.vocab_size() != size:
+                raise DsmtError(f"{checkpoint}: a sentencepiece model has {sp.vocab_size()} pieces but the model "
+                                f"{size}; the checkpoint and its vocabulary do not belong together")
         self.pad, self.bos, self.eos = self.sp.pad_id(), self.sp.bos_id(), self.sp.eos_id()
         self.beam, self.lenpen, self.max_len_a, self.max_len_b = beam, lenpen, max_len_a, max_len_b
-        self.batch_tokens = batch_tokens
+        self.batch_tokens, self.use_cache = batch_tokens, use_cache
 
     def translate(self, lines: list[str]) -> list[str]:
         """One translation per line, in order; an empty line stays empty."""
-        ids = [self.sp.encode(line) + [self.eos] if line.strip() else [] for line in lines]
+        ids = [self.src_sp.encode(line) + [self.eos] if line.strip() else [] for line in lines]
         todo = np.array([i for i, x in enumerate(ids) if x], dtype=np.int64)
         out = [""] * len(lines)
         if not len(todo):
@@ -36,12 +38,14 @@ class Translator:
         lengths = np.array([len(x) for x in ids])
         # Beam search holds beam × the source rows: bound that, sorted by length to keep padding low.
         order = todo[np.argsort(lengths[todo], kind="stable")]
-        for batch in token_batches(lengths, lengths, max(self.batch_tokens // self.beam, int(lengths.max())), order):
+        batches = token_batches(lengths, lengths, max(self.batch_tokens // self.beam, int(lengths.max())), order)
+        for batch in tqdm(batches, desc="translate", unit="batch", disable=None, leave=False):
             src = torch.full((len(batch), int(lengths[batch].max())), self.pad, dtype=torch.long)
             for row, i in enumerate(batch):
                 src[row, : lengths[i]] = torch.tensor(ids[i])
             max_len = int(self.max_len_a * src.size(1) + self.max_len_b)
-            best = beam_search(self.model, src, self.bos, self.eos, self.pad, self.beam, self.lenpen, max_len)
+            best = beam_search(self.model, src, self.bos, self.eos, self.pad, self.beam, self.lenpen, max_len,
+                               use_cache=self.use_cache)
             for i, hyps in zip(batch, best):
                 out[i] = self.sp.decode(hyps[0][1])
         return out

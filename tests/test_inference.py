@@ -68,7 +68,7 @@ def test_beam_one_is_greedy_and_beam_five_scores_higher(trained):
     lines = [line for line in (data / "test.en.txt").read_text().splitlines()[:40]]
     import sentencepiece as spm
 
-    sp = spm.SentencePieceProcessor(model_file=str(root / "export_zero0" / "spm.model"))
+    sp = spm.SentencePieceProcessor(model_file=str(root / "export_zero0" / "spm.src.model"))
     ids = [sp.encode(line) + [EOS] for line in lines]
     src = torch.full((len(ids), max(map(len, ids))), PAD)
     for row, x in enumerate(ids):
@@ -81,6 +81,17 @@ def test_beam_one_is_greedy_and_beam_five_scores_higher(trained):
     for one, five in zip(beam1, beam5):
         assert five[0][0] >= one[0][0] - 1e-6
         assert [s for s, _ in five] == sorted([s for s, _ in five], reverse=True)
+
+
+def test_beam_search_without_cache_finds_the_same(trained):
+    root, _ = trained
+    model = load_model(str(root / "export_zero0"))[0]
+    src = sources().clamp(max=model.output.out_features - 1)
+    cached = beam_search(model, src, BOS, EOS, PAD, beam=4, lenpen=0.6, max_len=15, nbest=4)
+    recomputed = beam_search(model, src, BOS, EOS, PAD, beam=4, lenpen=0.6, max_len=15, nbest=4, use_cache=False)
+    assert [[ids for _, ids in hyps] for hyps in cached] == [[ids for _, ids in hyps] for hyps in recomputed]
+    for a, b in zip(cached, recomputed):
+        assert [s for s, _ in a] == pytest.approx([s for s, _ in b], abs=1e-4)
 
 
 def test_scores_are_length_normalized_log_probabilities(trained):
@@ -174,12 +185,11 @@ def test_inference_errors_are_one_line(trained, tmp_path, case, words):
     elif case == "vocab":
         checkpoint = tmp_path / "mismatch"
         shutil.copytree(root / "export_zero0", checkpoint)
-        shutil.copy(data / "spm.model", checkpoint / "spm.model")
         import sentencepiece as spm
 
         spm.SentencePieceTrainer.train(sentence_iterator=iter((data / "valid.de.txt").read_text().splitlines()),
                                        model_prefix=str(tmp_path / "other"), vocab_size=100, minloglevel=2)
-        shutil.copy(tmp_path / "other.model", checkpoint / "spm.model")
+        shutil.copy(tmp_path / "other.model", checkpoint / "spm.tgt.model")
     elif case == "bad_utf8":
         stdin = b"A dog.\n\xff\xfe broken\n"
     result = subprocess.run([PYTHON, "-m", "dsmt.cli", "translate", "--checkpoint", str(checkpoint)],
@@ -188,3 +198,21 @@ def test_inference_errors_are_one_line(trained, tmp_path, case, words):
     assert result.returncode == 2 and "Traceback" not in stderr, stderr
     for word in words:
         assert word in stderr
+
+
+@pytest.mark.slow
+def test_separate_vocabularies_train_and_translate(tmp_path):
+    from dsmt.data.corpora import write_toy_corpus
+    from dsmt.data.prepare import PrepareOptions, prepare
+
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    prepare(write_toy_corpus(raw), str(tmp_path / "data"), PrepareOptions("en", "de", vocab_size=100, joint=False))
+    train(tmp_path / "data", tmp_path / "run", "train.max_steps=3", "model.share_embeddings=false",
+          "train.valid_interval=1000")
+    result = dsmt("translate", "--checkpoint", str(tmp_path / "run"), "--beam", "2", stdin="A dog.\n\nTwo cats.\n")
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout.splitlines()) == 3
+    exported = dsmt("export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "model"))
+    assert exported.returncode == 0, exported.stderr
+    assert (tmp_path / "model" / "spm.src.model").read_bytes() == (tmp_path / "data" / "spm.en.model").read_bytes()
