@@ -133,6 +133,9 @@ def load_model(path: str):
     else:
         tag_dir = _tag_dir(folder)
         states = _model_states(tag_dir)
+        if not isinstance(states.get("config"), dict) or not isinstance(states.get("spm"), dict):
+            raise DsmtError(f"{tag_dir} was not written by this version of dsmt train (no model config and "
+                            "vocabulary in its client state)")
         model_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), states["config"]["model"])
         weights, spm_paths = _deepspeed_weights(tag_dir, states), {k: Path(v) for k, v in states["spm"].items()}
     model = Transformer(model_cfg)
