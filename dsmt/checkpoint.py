@@ -141,7 +141,10 @@ def load_model(path: str):
     model = Transformer(model_cfg)
     # Tied weights may be stored once (DeepSpeed issue 1896: zero_to_fp32 dropped them); tying restores them.
     tied = {name for name, p in model.named_parameters(remove_duplicate=False)} - dict(model.named_parameters()).keys()
-    missing, unexpected = model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
+    except RuntimeError as e:  # a tensor of another shape
+        raise DsmtError(f"{path} does not fit its model config: {str(e).splitlines()[1].strip()}") from None
     if set(missing) - tied or unexpected:
         raise DsmtError(f"{path} does not fit model {dict(model_cfg)}: missing {sorted(set(missing) - tied)[:3]}, "
                         f"unexpected {sorted(unexpected)[:3]}")

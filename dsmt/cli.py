@@ -37,7 +37,7 @@ def _translator(args):
     from dsmt.translate import Translator
 
     return Translator(args.checkpoint, beam=args.beam, lenpen=args.lenpen, max_len_a=args.max_len_a,
-                      max_len_b=args.max_len_b, batch_tokens=args.batch_tokens)
+                      max_len_b=args.max_len_b, batch_tokens=args.batch_tokens, nbest=getattr(args, "nbest", 1))
 
 
 def _translate(args) -> None:
@@ -138,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_decoding_arguments(translate)
     translate.add_argument("--input", default="-", help="a file, or - for stdin (default)")
     translate.add_argument("--output", default="-", help="a file, or - for stdout (default)")
+    translate.add_argument("--nbest", type=int, default=1,
+                           help="print the N best per line as 'index ||| translation ||| score' (N <= beam)")
     translate.set_defaults(func=_translate)
 
     evaluate = verbs.add_parser("evaluate", help="translate a test set and print sacreBLEU and chrF")

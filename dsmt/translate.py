@@ -17,7 +17,7 @@ from dsmt.decode import beam_search
 
 class Translator:
     def __init__(self, checkpoint: str, beam: int = 5, lenpen: float = 0.6, max_len_a: float = 1.2,
-                 max_len_b: int = 10, batch_tokens: int = 8000, use_cache: bool = True):
+                 max_len_b: int = 10, batch_tokens: int = 8000, use_cache: bool = True, nbest: int = 1):
         self.model, model_cfg, spm_paths = load_model(checkpoint)
         self.src_sp, self.sp = (spm.SentencePieceProcessor(model_file=str(spm_paths[side])) for side in ("src", "tgt"))
         for sp, size in ((self.src_sp, model_cfg.src_vocab_size or model_cfg.vocab_size), (self.sp, model_cfg.vocab_size)):
@@ -26,13 +26,17 @@ class Translator:
                                 f"{size}; the checkpoint and its vocabulary do not belong together")
         self.pad, self.bos, self.eos = self.sp.pad_id(), self.sp.bos_id(), self.sp.eos_id()
         self.beam, self.lenpen, self.max_len_a, self.max_len_b = beam, lenpen, max_len_a, max_len_b
-        self.batch_tokens, self.use_cache = batch_tokens, use_cache
+        self.batch_tokens, self.use_cache, self.nbest = batch_tokens, use_cache, nbest
 
     def translate(self, lines: list[str]) -> list[str]:
         """One translation per line, in order; an empty line stays empty."""
+        return [hyps[0][1] if hyps else "" for hyps in self.translate_nbest(lines)]
+
+    def translate_nbest(self, lines: list[str]) -> list[list[tuple[float, str]]]:
+        """Per line the ``nbest`` best (score, translation), best first; none for an empty line."""
         ids = [self.src_sp.encode(line) + [self.eos] if line.strip() else [] for line in lines]
         todo = np.array([i for i, x in enumerate(ids) if x], dtype=np.int64)
-        out = [""] * len(lines)
+        out = [[] for _ in lines]
         if not len(todo):
             return out
         lengths = np.array([len(x) for x in ids])
@@ -44,10 +48,10 @@ class Translator:
             for row, i in enumerate(batch):
                 src[row, : lengths[i]] = torch.tensor(ids[i])
             max_len = int(self.max_len_a * src.size(1) + self.max_len_b)
-            best = beam_search(self.model, src, self.bos, self.eos, self.pad, self.beam, self.lenpen, max_len,
-                               use_cache=self.use_cache)
-            for i, hyps in zip(batch, best):
-                out[i] = self.sp.decode(hyps[0][1])
+            found = beam_search(self.model, src, self.bos, self.eos, self.pad, self.beam, self.lenpen, max_len,
+                                nbest=self.nbest, use_cache=self.use_cache)
+            for i, hyps in zip(batch, found):
+                out[i] = [(score, self.sp.decode(ids)) for score, ids in hyps]
         return out
 
 
@@ -63,15 +67,24 @@ def read_input(path: str) -> list[str]:
         raise DsmtError(f"input file {path} not found") from None
 
 
+def format_output(translator: Translator, lines: list[str], first: int = 0) -> list[str]:
+    """One line per input line; with n-best, Moses' format ``index ||| translation ||| score`` instead."""
+    if translator.nbest == 1:
+        return translator.translate(lines)
+    return [f"{first + i} ||| {text} ||| {score:.4f}"
+            for i, hyps in enumerate(translator.translate_nbest(lines)) for score, text in hyps]
+
+
 def translate_stream(translator: Translator, source: str, target: str) -> None:
     """Whole files are batched; an interactive terminal on stdin is answered line by line."""
     out = sys.stdout if target == "-" else open(target, "w", encoding="utf-8")
     try:
         if source == "-" and sys.stdin.isatty():
             for number, raw in enumerate(sys.stdin.buffer, 1):
-                print(translator.translate(decode_lines([raw], f"stdin:{number}"))[0], file=out, flush=True)
+                for line in format_output(translator, decode_lines([raw], f"stdin:{number}"), number - 1):
+                    print(line, file=out, flush=True)
         else:
-            for line in translator.translate(read_input(source)):
+            for line in format_output(translator, read_input(source)):
                 print(line, file=out)
     finally:
         if out is not sys.stdout:

@@ -143,6 +143,21 @@ def test_translate_keeps_lines_order_and_empty_lines(trained, tmp_path):
     assert alone.stdout.strip() == translated[5]
 
 
+def test_nbest_output(trained):
+    root, data = trained
+    lines = data.joinpath("test.en.txt").read_text().splitlines()[:3]
+    result = dsmt("translate", "--checkpoint", str(root / "export_zero0"), "--beam", "4", "--nbest", "3",
+                  stdin="\n".join(lines) + "\n")
+    assert result.returncode == 0, result.stderr
+    rows = [line.split(" ||| ") for line in result.stdout.splitlines()]
+    assert [int(r[0]) for r in rows] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    best = dsmt("translate", "--checkpoint", str(root / "export_zero0"), "--beam", "4", stdin="\n".join(lines) + "\n")
+    assert [r[1] for r in rows[::3]] == best.stdout.splitlines()
+    for i in range(3):
+        scores = [float(r[2]) for r in rows[3 * i: 3 * i + 3]]
+        assert scores == sorted(scores, reverse=True)
+
+
 def test_evaluate_prints_signature_and_sacrebleu_score(trained, tmp_path):
     root, data = trained
     hyps = tmp_path / "hyps.txt"
@@ -170,6 +185,7 @@ def test_average_of_checkpoints(trained, tmp_path):
     ("missing", ["does not exist"]),
     ("partial", ["not a complete checkpoint"]),
     ("vocab", ["sentencepiece model has", "do not belong together"]),
+    ("shape", ["does not fit its model config", "size mismatch"]),
     ("bad_utf8", ["stdin:2", "UTF-8"]),
 ])
 def test_inference_errors_are_one_line(trained, tmp_path, case, words):
@@ -190,6 +206,10 @@ def test_inference_errors_are_one_line(trained, tmp_path, case, words):
         spm.SentencePieceTrainer.train(sentence_iterator=iter((data / "valid.de.txt").read_text().splitlines()),
                                        model_prefix=str(tmp_path / "other"), vocab_size=100, minloglevel=2)
         shutil.copy(tmp_path / "other.model", checkpoint / "spm.tgt.model")
+    elif case == "shape":
+        checkpoint = tmp_path / "resized"
+        shutil.copytree(root / "export_zero0", checkpoint)
+        (checkpoint / "config.yaml").write_text((checkpoint / "config.yaml").read_text().replace("d_ff: 128", "d_ff: 256"))
     elif case == "bad_utf8":
         stdin = b"A dog.\n\xff\xfe broken\n"
     result = subprocess.run([PYTHON, "-m", "dsmt.cli", "translate", "--checkpoint", str(checkpoint)],
