@@ -1,7 +1,6 @@
 import math
 from concurrent.futures import ThreadPoolExecutor
 import os
-import socket
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ from torch import nn
 
 from dsmt.config import ModelConfig, load_config
 from dsmt.model import Attention, Transformer, key_padding_mask
+from tests.training import free_port
 
 PAD = 0
 
@@ -171,12 +171,6 @@ def _ddp_worker(rank, world, port, results):
     model(src, tgt).sum().backward()
     results[rank] = torch.cat([p.grad.flatten() for p in model.parameters()])
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
