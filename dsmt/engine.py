@@ -102,7 +102,7 @@ def _walk(node, prefix=""):
             yield f"{prefix}{key}", value
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -115,7 +115,7 @@ def init_distributed() -> tuple[int, int, int]:
 
     if "WORLD_SIZE" not in os.environ:  # plain `python launch/train.py`: no launcher, no MPI
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     world = int(os.environ["WORLD_SIZE"])
     return int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_WORLD_SIZE", world))

@@ -18,6 +18,8 @@ from dsmt.decode import beam_search
 class Translator:
     def __init__(self, checkpoint: str, beam: int = 5, lenpen: float = 0.6, max_len_a: float = 1.2,
                  max_len_b: int = 10, batch_tokens: int = 8000, use_cache: bool = True, nbest: int = 1):
+        if beam < 1 or not 1 <= nbest <= beam:
+            raise DsmtError(f"--beam {beam} --nbest {nbest}: need beam >= 1 and 1 <= nbest <= beam")
         self.model, model_cfg, spm_paths = load_model(checkpoint)
         self.src_sp, self.sp = (spm.SentencePieceProcessor(model_file=str(spm_paths[side])) for side in ("src", "tgt"))
         for sp, size in ((self.src_sp, model_cfg.src_vocab_size or model_cfg.vocab_size), (self.sp, model_cfg.vocab_size)):

@@ -187,6 +187,7 @@ def test_average_of_checkpoints(trained, tmp_path):
     ("vocab", ["sentencepiece model has", "do not belong together"]),
     ("shape", ["does not fit its model config", "size mismatch"]),
     ("bad_utf8", ["stdin:2", "UTF-8"]),
+    ("nbest", ["--nbest 3", "nbest <= beam"]),
 ])
 def test_inference_errors_are_one_line(trained, tmp_path, case, words):
     import shutil
@@ -212,7 +213,8 @@ def test_inference_errors_are_one_line(trained, tmp_path, case, words):
         (checkpoint / "config.yaml").write_text((checkpoint / "config.yaml").read_text().replace("d_ff: 128", "d_ff: 256"))
     elif case == "bad_utf8":
         stdin = b"A dog.\n\xff\xfe broken\n"
-    result = subprocess.run([PYTHON, "-m", "dsmt.cli", "translate", "--checkpoint", str(checkpoint)],
+    extra = ["--beam", "2", "--nbest", "3"] if case == "nbest" else []
+    result = subprocess.run([PYTHON, "-m", "dsmt.cli", "translate", "--checkpoint", str(checkpoint), *extra],
                             capture_output=True, env=run_env(), cwd=REPO, input=stdin)
     stderr = result.stderr.decode()
     assert result.returncode == 2 and "Traceback" not in stderr, stderr

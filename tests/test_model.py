@@ -10,7 +10,7 @@ from torch import nn
 
 from dsmt.config import ModelConfig, load_config
 from dsmt.model import Attention, Transformer, key_padding_mask
-from tests.training import free_port
+from dsmt.engine import free_port
 
 PAD = 0
 

@@ -13,7 +13,8 @@ from dsmt.decode import greedy
 from dsmt.engine import fill_ds_config, inverse_sqrt, read_ds_config
 from dsmt.loss import label_smoothed_nll
 from tests.conftest import MULTI30K, PYTHON, REPO, run_env
-from tests.training import kill_after, losses, records, train, train_command, free_port
+from dsmt.engine import free_port
+from tests.training import kill_after, losses, records, train, train_command
 
 DS_CONFIGS = sorted((REPO / "ds_configs").glob("*.json"))
 CPU = ("cpu", False, True)  # accelerator name, fp16 supported, bf16 supported

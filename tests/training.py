@@ -2,12 +2,12 @@
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from dsmt.engine import free_port
 from tests.conftest import PYTHON, REPO, run_env
 
 DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
@@ -16,12 +16,6 @@ DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
 TINY = ["model.d_model=64", "model.n_heads=4", "model.n_encoder_layers=2", "model.n_decoder_layers=2",
         "model.d_ff=128", "model.dropout=0", "train.threads=1", "train.log_interval=1", "data.max_tokens=1024",
         "train.lr=3e-3", "train.warmup_steps=10"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def train_command(data_dir, out, *overrides, ranks=1, ds="ds_configs/zero0.json", launcher=None) -> list[str]:
