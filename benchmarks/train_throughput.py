@@ -6,7 +6,9 @@ The baseline is written the way most tutorials write it: ``torch.nn.Transformer`
 outside the model and an ordinary loop. Both train on the same length-bucketed batches (the speed
 ratio); the baseline also trains on the tutorials' batching (a fixed number of sentences in random
 order), which shows what padding costs. Tokens are real (non-pad) source + target tokens. The runs
-alternate (baseline, dsmt, baseline, dsmt, ...) and the table keeps each one's best round.
+alternate (baseline, dsmt, baseline, dsmt, ...) and the table keeps each one's best round. Model
+GFLOP/s (benchmarks/flops.py, padded positions included) against this CPU's own matrix-multiply rate
+shows how much headroom is left: on identical batches both trainers do the same arithmetic.
 """
 
 import argparse
@@ -23,6 +25,7 @@ from dsmt.config import load_config
 from dsmt.data.batching import ParallelData, epoch_batches
 from dsmt.model import sinusoidal_table
 from dsmt.train import Trainer
+from flops import matmul_flops_per_s, parameter_counts, step_flops
 
 
 class TutorialTransformer(nn.Module):
@@ -82,6 +85,11 @@ def run_dsmt(trainer, batches, pad, warmup):
     return tokens / (time.perf_counter() - start)
 
 
+def flops_per_real_token(batches, cfg, params, pad):
+    flops = sum(step_flops(cfg, params, b["src"].size(0), b["src"].size(1), b["tgt_in"].size(1)) for b in batches)
+    return flops / sum(real_tokens(b, pad) for b in batches)
+
+
 def padding(batches, pad):
     real = sum(real_tokens(b, pad) for b in batches)
     total = sum(b["src"].numel() + b["tgt_out"].numel() for b in batches)
@@ -125,17 +133,24 @@ def main():
             results["dsmt"].append(run_dsmt(trainer, bucketed, pad, args.warmup))
             results["baseline_tutorial"].append(run_baseline(baseline, tutorial, pad, args.warmup))
 
+        params = parameter_counts(trainer.engine.module)
+        peak = matmul_flops_per_s()
+
     best = {k: max(v) for k, v in results.items()}
     print(f"model {m.d_model}-d, {m.n_encoder_layers}+{m.n_decoder_layers} layers, d_ff {m.d_ff}: dsmt {n_dsmt / 1e6:.2f}M "
           f"parameters, baseline {n_base / 1e6:.2f}M; {args.threads} threads; {args.steps} timed steps, best of {args.rounds}")
-    print("| trainer | batches | padding | real src+tgt tokens/s | vs baseline on the same batches |")
-    print("| --- | --- | --- | --- | --- |")
-    rows = [("plain PyTorch nn.Transformer", f"bucketed, {args.max_tokens} tokens", padding(bucketed, pad), best["baseline"]),
-            ("plain PyTorch nn.Transformer", f"random order, {args.tutorial_batch} sentences", padding(tutorial, pad),
+    print(f"this CPU's fp32 matmul rate (2048², {args.threads} threads): {peak / 1e9:.0f} GFLOP/s")
+    print("| trainer | batches | padding | real src+tgt tokens/s | vs baseline on the same batches "
+          "| model GFLOP/s (share of the matmul rate) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    rows = [("plain PyTorch nn.Transformer", f"bucketed, {args.max_tokens} tokens", bucketed, best["baseline"]),
+            ("plain PyTorch nn.Transformer", f"random order, {args.tutorial_batch} sentences", tutorial,
              best["baseline_tutorial"]),
-            ("dsmt, DeepSpeed ZeRO-0", f"bucketed, {args.max_tokens} tokens", padding(bucketed, pad), best["dsmt"])]
-    for name, batching, pad_fraction, speed in rows:
-        print(f"| {name} | {batching} | {pad_fraction:.1%} | {speed:.0f} | {speed / best['baseline']:.2f}× |")
+            ("dsmt, DeepSpeed ZeRO-0", f"bucketed, {args.max_tokens} tokens", bucketed, best["dsmt"])]
+    for name, batching, batches, speed in rows:
+        flops = speed * flops_per_real_token(batches[args.warmup:], m, params, pad)
+        print(f"| {name} | {batching} | {padding(batches, pad):.1%} | {speed:.0f} | {speed / best['baseline']:.2f}× "
+              f"| {flops / 1e9:.0f} ({flops / peak:.0%}) |")
 
 
 if __name__ == "__main__":

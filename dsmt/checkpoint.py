@@ -1,13 +1,15 @@
 """Checkpoints through DeepSpeed's own ``save_checkpoint``/``load_checkpoint``, plus keep-last-K and ``best``.
 
-Layout: ``OUTPUT_DIR/checkpoints/step<N>/`` (DeepSpeed's files for every rank), ``latest`` (DeepSpeed's
-pointer to the newest tag) and ``best`` (a symlink to the tag with the best valid BLEU).
+Layout: ``OUTPUT_DIR/checkpoints/step<N>/`` (DeepSpeed's files for every rank), ``latest`` (the newest
+tag every rank finished writing, in the file DeepSpeed reads) and ``best`` (a symlink to the tag with the
+best valid BLEU); ``OUTPUT_DIR/universal/step<N>/`` when a job resumes on another number of ranks.
 """
 
 import contextlib
 import os
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,12 +17,14 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from dsmt import DsmtError
+from dsmt import DsmtError, faults
 from dsmt.config import ModelConfig
+from dsmt.engine import zero_stage
 from dsmt.files import staged_dir
 from dsmt.model import Transformer
 
 TAG = re.compile(r"^step(\d+)$")
+LATEST = "latest"  # the file DeepSpeed's load_checkpoint reads when no tag is given
 
 
 def checkpoints_dir(output_dir: str) -> Path:
@@ -39,47 +43,124 @@ def _point(link: Path, tag: str) -> None:
     os.replace(staging, link)
 
 
-def prune(folder: Path, keep_last: int) -> None:
-    """Remove all but the newest ``keep_last`` step checkpoints; never the one ``latest`` or ``best`` names."""
+def _write_atomic(path: Path, text: str) -> None:
+    staging = path.with_name(path.name + ".new")
+    with open(staging, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(staging, path)
+
+
+def latest_tag(folder: Path) -> str | None:
+    """The tag ``latest`` names: the newest checkpoint that every rank finished writing."""
+    path = folder / LATEST
+    return path.read_text().strip() or None if path.is_file() else None
+
+
+def prune(folder: Path, keep_last: int, newest_step: int) -> None:
+    """Remove step checkpoints older than the newest ``keep_last`` up to ``newest_step``; never the ones
+    ``latest`` or ``best`` name, nor any newer than ``newest_step`` (say, left by a run resumed from earlier)."""
     tags = sorted((int(m.group(1)), p.name) for p in folder.iterdir() if (m := TAG.match(p.name)) and p.is_dir())
-    protected = {name for _, name in tags[-keep_last:]}
-    for pointer in ("latest", "best"):
-        path = folder / pointer
-        if path.is_symlink():
-            protected.add(os.readlink(path))
-        elif path.is_file():
-            protected.add(path.read_text().strip())
+    tags = [(step, name) for step, name in tags if step <= newest_step]
+    protected = {name for _, name in tags[-keep_last:]} | {latest_tag(folder)}
+    if (folder / "best").is_symlink():
+        protected.add(os.readlink(folder / "best"))
     for _, name in tags:
         if name not in protected:
             shutil.rmtree(folder / name, ignore_errors=True)
 
 
 def save(engine, output_dir: str, step: int, client_state: dict, keep_last: int, best: bool) -> None:
-    folder = checkpoints_dir(output_dir)
-    engine.save_checkpoint(str(folder), tag=tag_for(step), client_state=client_state)
-    if dist.get_rank() == 0:
+    """Every rank writes its part of ``step<N>``; only once all have succeeded does rank 0 point ``latest``
+    (and ``best``) at it and prune. A crash or a failed write before that leaves ``latest`` on the previous
+    checkpoint, which nothing has touched; a failed write stops the run with one clear error on every rank."""
+    folder, tag, rank = checkpoints_dir(output_dir), tag_for(step), dist.get_rank()
+    error = None
+    try:
+        engine.save_checkpoint(str(folder), tag=tag, client_state=client_state, save_latest=False)
+        faults.trigger("enospc", step, rank)
+        faults.trigger("kill_in_save", step, rank)
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
+        error = e
+    failures = torch.tensor([float(error is not None)], device=engine.device)
+    dist.all_reduce(failures)
+    if failures.item():
+        raise DsmtError(f"writing checkpoint {folder / tag} failed ({error or 'on another rank'}); the last "
+                        f"complete checkpoint ({latest_tag(folder) or 'none'}) is untouched: free disk space or "
+                        "fix the permissions of train.output_dir, then resume")
+    if rank == 0:
+        _write_atomic(folder / LATEST, tag)
         if best:
-            _point(folder / "best", tag_for(step))
-        prune(folder, keep_last)
+            _point(folder / "best", tag)
+        prune(folder, keep_last, step)
     dist.barrier()
 
 
-def resume(engine, output_dir: str, mode: str) -> dict | None:
-    """Load per ``train.resume``: 'auto' (the newest checkpoint, if any), 'none', or a checkpoint directory."""
+def resume_source(output_dir: str, mode: str) -> Path | None:
+    """The tag folder to resume from per ``train.resume``: 'auto' (what ``latest`` names, if anything),
+    'none', or a step<N> folder."""
     if mode == "none":
         return None
     if mode == "auto":
-        folder, tag = checkpoints_dir(output_dir), None
-        if not (folder / "latest").is_file():
+        folder = checkpoints_dir(output_dir)
+        tag = latest_tag(folder)
+        if tag is None:
             return None
-    else:
-        path = Path(mode)
-        if not path.is_dir():
-            raise DsmtError(f"train.resume={mode}: no such checkpoint directory; use auto, none or a step<N> folder")
-        folder, tag = path.parent, path.name
-    load_path, client_state = engine.load_checkpoint(str(folder), tag=tag)
+        if not (folder / tag).is_dir():
+            raise DsmtError(f"{folder / LATEST} names {tag}, which is missing; pass train.resume=<a step folder>")
+        return folder / tag
+    path = Path(mode)
+    if not path.is_dir():
+        raise DsmtError(f"train.resume={mode}: no such checkpoint directory; use auto, none or a step<N> folder")
+    return path
+
+
+# Keys that fix the parameters' shapes or meaning; dropout and the like may change on resume.
+ARCHITECTURE = ("vocab_size", "src_vocab_size", "pad_id", "d_model", "n_heads", "n_encoder_layers",
+                "n_decoder_layers", "d_ff", "norm_first", "share_embeddings", "positions", "max_positions")
+
+
+def check_resumable(tag_dir: Path, states: dict, model_cfg, spm_sha256: dict, data_dir: str) -> None:
+    """The checkpoint must be of this model on this vocabulary; one clear error names the difference."""
+    if not isinstance(states.get("config"), dict):
+        raise DsmtError(f"{tag_dir} was not written by this version of dsmt train; use train.resume=none")
+    saved = states["config"]["model"]
+    differ = [f"{k}={saved.get(k)} there, {model_cfg[k]} here" for k in ARCHITECTURE if saved.get(k) != model_cfg[k]]
+    if any(k.startswith(("vocab_size", "src_vocab_size")) for k in differ) or states.get("spm_sha256") != spm_sha256:
+        raise DsmtError(f"{tag_dir} was trained on the vocabulary of data.dir={states['config']['data']['dir']}, "
+                        f"not on that of {data_dir}; resume with the data it was trained on, or set a new "
+                        "train.output_dir")
+    if differ:
+        raise DsmtError(f"{tag_dir} is a checkpoint of another model ({'; '.join(differ)}); use its model config "
+                        "or a new train.output_dir")
+
+
+def zero_layout(states: dict) -> tuple[int, int]:
+    """(ZeRO stage, data-parallel world size) a checkpoint was written with."""
+    return zero_stage(states["ds_config"]), states["dp_world_size"]
+
+
+def to_universal(tag_dir: Path, output_dir: str) -> Path:
+    """DeepSpeed's universal checkpoint of ``tag_dir`` (``ds_to_universal``, run once on rank 0), which a
+    job with any number of ranks and any ZeRO stage ≥ 1 loads with its optimizer state."""
+    target = Path(output_dir) / "universal" / tag_dir.name
+    if dist.get_rank() == 0 and not target.is_dir():
+        print(f"resume: converting {tag_dir} to a universal checkpoint in {target}", flush=True)
+        with staged_dir(target) as staging:
+            done = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                                   str(tag_dir), "--output_folder", str(staging), "--inject_missing_state"],
+                                  capture_output=True, text=True)
+            if done.returncode:
+                raise DsmtError(f"ds_to_universal failed on {tag_dir}: {done.stderr.strip().splitlines()[-1]}")
+    dist.barrier()
+    return target
+
+
+def load(engine, tag_dir: Path) -> dict:
+    load_path, client_state = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
     if load_path is None:
-        raise DsmtError(f"cannot load a checkpoint from {folder} (tag {tag or 'latest'})")
+        raise DsmtError(f"cannot load the checkpoint {tag_dir}")
     return client_state
 
 
@@ -94,12 +175,12 @@ SPM_FILES = {"src": "spm.src.model", "tgt": "spm.tgt.model"}
 def _tag_dir(path: Path) -> Path:
     """A DeepSpeed tag folder from a tag folder, a checkpoints folder or an output folder (``latest``)."""
     for folder in (path, path / "checkpoints"):
-        if (folder / "latest").is_file():
-            return folder / (folder / "latest").read_text().strip()
+        if latest_tag(folder):
+            return folder / latest_tag(folder)
     return path
 
 
-def _model_states(tag_dir: Path) -> dict:
+def model_states(tag_dir: Path) -> dict:
     files = sorted(tag_dir.glob("*mp_rank_00_model_states.pt"))
     if not files:
         raise DsmtError(f"{tag_dir} is not a complete checkpoint (no DeepSpeed model states, no {MODEL_FILE}); "
@@ -108,7 +189,7 @@ def _model_states(tag_dir: Path) -> dict:
 
 
 def _deepspeed_weights(tag_dir: Path, states: dict) -> dict:
-    if states["ds_config"].get("zero_optimization", {}).get("stage", 0) == 0:
+    if zero_layout(states)[0] == 0:
         return states["module"]
     # ZeRO-1/2/3 keep the fp32 master weights partitioned in the optimizer states: DeepSpeed's zero_to_fp32
     # puts them back together. It reports on stdout, where `dsmt translate` writes translations.
@@ -132,7 +213,7 @@ def load_model(path: str):
         spm_paths = {side: folder / name for side, name in SPM_FILES.items()}
     else:
         tag_dir = _tag_dir(folder)
-        states = _model_states(tag_dir)
+        states = model_states(tag_dir)
         if not isinstance(states.get("config"), dict) or not isinstance(states.get("spm"), dict):
             raise DsmtError(f"{tag_dir} was not written by this version of dsmt train (no model config and "
                             "vocabulary in its client state)")

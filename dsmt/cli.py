@@ -33,6 +33,23 @@ def _train(args) -> None:
     train(load_config(args.config, overrides))
 
 
+def _launch(args) -> None:
+    """``deepspeed ARGS`` once the hostfile (if any) has passed ``check_hostfile``."""
+    import os
+    import shutil
+
+    from dsmt.engine import check_hostfile
+
+    for i, arg in enumerate(args.arguments):
+        if arg == "--hostfile" and i + 1 < len(args.arguments):
+            check_hostfile(args.arguments[i + 1])
+        elif arg.startswith("--hostfile="):
+            check_hostfile(arg.split("=", 1)[1])
+    deepspeed = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
+    sys.stdout.flush()
+    os.execv(deepspeed, [deepspeed, *args.arguments])
+
+
 def _translator(args):
     from dsmt.translate import Translator
 
@@ -115,6 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     train.set_defaults(func=_train)
 
+    launch = verbs.add_parser(
+        "launch", help="run the deepspeed launcher after checking its hostfile",
+        description="dsmt launch --hostfile hostfile [deepspeed options] launch/train.py [train arguments]: "
+                    "the same as `deepspeed ...`, but a malformed hostfile is one clear error before any node starts.")
+    launch.add_argument("arguments", nargs=argparse.REMAINDER, help="deepspeed launcher arguments")
+    launch.set_defaults(func=_launch)
+
     prepare = verbs.add_parser(
         "prepare", help="train sentencepiece and binarize parallel text into a data directory",
         description="Read PREFIX.SRC/PREFIX.TGT (plain or .gz) for each split, or a built-in corpus.")
@@ -162,7 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if args.verb == "launch":  # everything after the verb belongs to deepspeed, options included
+        args.arguments = (sys.argv[1:] if argv is None else list(argv))[1:]
+    elif unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         args.func(args)
     except DsmtError as e:

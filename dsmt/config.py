@@ -60,6 +60,7 @@ class TrainConfig:
     deepspeed_config: str = "ds_configs/zero0.json"
     precision: str = "auto"  # auto | fp32 | bf16 | fp16: fills "enabled": "auto" in the ds_config
     max_steps: int = 1000
+    max_minutes: float = 0.0  # stop (validate, save) after this much wall-clock training time; 0: no limit
     seed: int = 1
     lr: float = 1e-3  # peak, reached at the end of warmup
     warmup_steps: int = 1000
@@ -69,6 +70,7 @@ class TrainConfig:
     valid_interval: int = 500
     save_interval: int = 500
     keep_last: int = 3
+    max_skips_in_a_row: int = 10  # steps with a non-finite loss/gradient (bf16/fp32) before the run stops
     resume: str = "auto"  # auto | none | a checkpoint directory
     threads: int = 0  # torch threads per rank; 0: the cores divided among this node's ranks
 

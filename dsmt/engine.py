@@ -9,6 +9,7 @@ data loader and each micro-batch is one token-bounded batch (``data.max_tokens``
 import copy
 import json
 import os
+import re
 import socket
 from pathlib import Path
 
@@ -94,6 +95,31 @@ def fill_ds_config(ds: dict, train_cfg, world_size: int, path: str, caps) -> dic
     return ds
 
 
+HOSTFILE_LINE = re.compile(r"^(\S+)\s+slots=(\d+)$")
+
+
+def check_hostfile(path: str) -> dict[str, int]:
+    """DeepSpeed's hostfile, checked line by line before any node starts: ``HOSTNAME slots=N`` per node,
+    ``#`` comments and blank lines allowed. Returns {host: slots}."""
+    file = Path(path)
+    if not file.is_file():
+        raise DsmtError(f"hostfile {path} not found")
+    hosts = {}
+    for number, raw in enumerate(file.read_text().splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        match = HOSTFILE_LINE.match(line)
+        if not match or int(match.group(2)) < 1:
+            raise DsmtError(f"{path}:{number}: {line!r} is not 'HOSTNAME slots=N' with N >= 1 (one node per line)")
+        if match.group(1) in hosts:
+            raise DsmtError(f"{path}:{number}: host {match.group(1)} is listed twice")
+        hosts[match.group(1)] = int(match.group(2))
+    if not hosts:
+        raise DsmtError(f"{path} lists no node; write one 'HOSTNAME slots=N' line per node")
+    return hosts
+
+
 def _walk(node, prefix=""):
     for key, value in node.items():
         if isinstance(value, dict):
@@ -129,13 +155,20 @@ def inverse_sqrt(warmup_steps: int):
     return factor
 
 
-def build_engine(model, cfg, world_size: int):
-    """``deepspeed.initialize`` on ``model`` with the filled ds_config and the inverse-sqrt schedule."""
+def zero_stage(ds: dict) -> int:
+    return ds.get("zero_optimization", {}).get("stage", 0)
+
+
+def build_engine(model, cfg, world_size: int, load_universal: bool = False):
+    """``deepspeed.initialize`` on ``model`` with the filled ds_config and the inverse-sqrt schedule;
+    ``load_universal`` makes ``load_checkpoint`` read a universal checkpoint (see ``dsmt.checkpoint``)."""
     import deepspeed
     import torch
 
     path = cfg.train.deepspeed_config
     ds = fill_ds_config(read_ds_config(path), cfg.train, world_size, path, accelerator_caps())
+    if load_universal:
+        ds.setdefault("checkpoint", {})["load_universal"] = True
     schedule = inverse_sqrt(cfg.train.warmup_steps)
     engine, *_ = deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds,
@@ -154,3 +187,20 @@ def partitioned_bytes(engine) -> dict[str, int]:
     state = sum(t.numel() * t.element_size() for s in inner.state.values() for t in s.values()
                 if torch.is_tensor(t) and t.dim() > 0)
     return {"param_bytes": params, "optimizer_state_bytes": state}
+
+
+def gradient_bytes(engine) -> int:
+    """Bytes of gradient storage this rank holds once backward has finished at an accumulation boundary:
+    the parameters' ``.grad`` (ZeRO-0/1 keep them whole), ZeRO-1/2's reduced partitions
+    (``averaged_gradients``) and ZeRO-3's flat partition buffer; each storage counted once."""
+    import torch
+
+    optimizer = engine.optimizer
+    tensors = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    for group in (getattr(optimizer, "averaged_gradients", None) or {}).values():
+        tensors += [t for t in (group or []) if torch.is_tensor(t)]
+    flat = getattr(optimizer, "grad_partitions_flat_buffer", None)
+    if torch.is_tensor(flat):
+        tensors.append(flat)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())

@@ -4,10 +4,14 @@ It knows the model only through its forward (logits, also for greedy validation)
 DeepSpeed only through the engine; data only through ``BatchStream``.
 """
 
+import hashlib
 import json
 import os
+import resource
+import signal
 import time
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import sacrebleu
@@ -17,11 +21,11 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from dsmt import DsmtError, checkpoint
+from dsmt import DsmtError, checkpoint, faults
 from dsmt.data.batching import BatchStream, ParallelData, epoch_batches, shard
 from dsmt.data.prepare import load_meta
 from dsmt.decode import greedy
-from dsmt.engine import build_engine, init_distributed, partitioned_bytes
+from dsmt.engine import build_engine, gradient_bytes, init_distributed, partitioned_bytes, read_ds_config, zero_stage
 from dsmt.loss import label_smoothed_nll
 from dsmt.model import Transformer
 
@@ -29,6 +33,11 @@ from dsmt.model import Transformer
 def step_seed(seed: int, step: int, rank: int) -> int:
     """Dropout's RNG is reseeded from (seed, step, rank) each step, so a resumed run draws the same masks."""
     return int(np.random.SeedSequence([seed, step, rank]).generate_state(1)[0])
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (Linux reports kilobytes)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def fill_model_config(cfg, meta: dict, data_dir: str) -> None:
@@ -56,15 +65,21 @@ class Trainer:
         self.spm_paths = {side: str(Path(cfg.data.dir) / meta["spm"][meta[side]]) for side in ("src", "tgt")}
         self.sp = spm.SentencePieceProcessor(model_file=self.spm_paths["tgt"])
 
+        self.spm_sha256 = {side: hashlib.sha256(Path(path).read_bytes()).hexdigest()
+                           for side, path in self.spm_paths.items()}
+
+        source, universal = self._resume_source()
         torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
-        self.engine, ds_config = build_engine(Transformer(cfg.model), cfg, self.world)
+        self.engine, ds_config = build_engine(Transformer(cfg.model), cfg, self.world, load_universal=universal)
         self.accumulation = ds_config["gradient_accumulation_steps"]
         self.precision = next((k for k in ("fp16", "bf16") if ds_config[k]["enabled"]), "fp32")
         self.stream = BatchStream(self.train_data, cfg.data.max_tokens, cfg.train.seed, self.rank, self.world)
-        self.step, self.best_bleu = 0, -1.0
-        state = checkpoint.resume(self.engine, cfg.train.output_dir, cfg.train.resume)
+        self.step, self.best_bleu, self.minutes_before, self.grad_bytes = 0, -1.0, 0.0, 0
+        self.skipped_steps, self.skips_in_a_row, self.stop_signal = 0, 0, None
+        state = checkpoint.load(self.engine, source) if source else None
         if state:
-            self.step, self.best_bleu = state["step"], state["best_bleu"]
+            self.step, self.best_bleu, self.minutes_before = state["step"], state["best_bleu"], state["train_minutes"]
+            self.skipped_steps = state["non_finite_steps"]
             self.stream.load_state_dict(state["data"])
         self.writer = self.log_file = None
         if self.rank == 0:
@@ -75,6 +90,30 @@ class Trainer:
             (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
             self.writer = SummaryWriter(str(out / "tensorboard"), purge_step=self.step + 1 if state else None)
             self.log_file = open(out / "train_log.jsonl", "a")
+
+    def _resume_source(self) -> tuple:
+        """(checkpoint to resume from or None, whether it is a universal one). A ZeRO checkpoint written by
+        another number of ranks or another stage ≥ 1 goes through DeepSpeed's universal checkpoint, which
+        keeps the optimizer state (elastic resume)."""
+        tc = self.cfg.train
+        source = checkpoint.resume_source(tc.output_dir, tc.resume)
+        if source is None:
+            return None, False
+        states = checkpoint.model_states(source)
+        checkpoint.check_resumable(source, states, self.cfg.model, self.spm_sha256, self.cfg.data.dir)
+        saved = checkpoint.zero_layout(states)
+        stage = zero_stage(read_ds_config(tc.deepspeed_config))
+        if saved == (stage, self.world) or saved[0] == stage == 0:
+            return source, False
+        if 0 in (saved[0], stage):
+            raise DsmtError(f"{source} was written with ZeRO-{saved[0]} and this job uses ZeRO-{stage} "
+                            f"({tc.deepspeed_config}); resume with a ds_config of stage {saved[0]}")
+        return checkpoint.to_universal(source, tc.output_dir), True
+
+    def _on_signal(self, signum, frame) -> None:
+        """SIGTERM/SIGINT: finish the step, save, exit 0. A second signal acts as usual."""
+        self.stop_signal = signal.Signals(signum).name
+        signal.signal(signum, signal.SIG_DFL)
 
     # ---- collectives ------------------------------------------------------------------------------
     def _sum(self, values) -> list[float]:
@@ -90,6 +129,7 @@ class Trainer:
 
     # ---- one optimizer step -----------------------------------------------------------------------
     def train_step(self) -> dict:
+        faults.trigger("kill", self.step + 1, self.rank)
         torch.manual_seed(step_seed(self.cfg.train.seed, self.step, self.rank))
         micro = [self._to_device(next(self.stream)) for _ in range(self.accumulation)]
         src_tokens, tgt_tokens = self._sum([sum(int((b["src"] != self.pad).sum()) for b in micro),
@@ -97,20 +137,30 @@ class Trainer:
         # The update is sum(loss) / target tokens of the global batch, as fairseq does; DeepSpeed averages
         # gradients over ranks and accumulation steps, so multiply that average back out.
         scale = self.world * self.accumulation / tgt_tokens
-        sums, grad_norm = torch.zeros(2, dtype=torch.float64, device=self.engine.device), None
+        sums, grad_norm, applied = torch.zeros(2, dtype=torch.float64, device=self.engine.device), None, True
         for batch in micro:
             logits = self.engine(batch["src"], batch["tgt_in"])
             loss, nll = label_smoothed_nll(logits, batch["tgt_out"], self.cfg.train.label_smoothing, self.pad)
+            if faults.due("nan", self.step + 1, self.rank):
+                loss = loss * float("nan")
             self.engine.backward(loss * scale)
             if self.engine.is_gradient_accumulation_boundary():
                 grad_norm = self._replicated_grad_norm()
-            self.engine.step()
+                applied = grad_norm is None or bool(torch.isfinite(grad_norm))
+                self.grad_bytes = self.grad_bytes or gradient_bytes(self.engine)
+            if applied:
+                self.engine.step()
+            else:  # plain fp32 ZeRO-0, the one path where DeepSpeed does not check: step it without the update
+                with mock.patch.object(self.engine.optimizer, "step", lambda *args, **kwargs: None):
+                    self.engine.step()
             sums += torch.stack([loss.detach(), nll.detach()]).double()
         loss_sum, nll_sum = self._sum(sums.tolist())
         self.step += 1
         grad_norm = self.engine.get_global_grad_norm() or grad_norm
+        # ZeRO, bf16 and fp16 optimizers skip a non-finite step themselves (fp16 also lowers its loss scale).
         return {"loss": loss_sum / tgt_tokens, "nll": nll_sum / tgt_tokens, "tokens": src_tokens + tgt_tokens,
-                "grad_norm": None if grad_norm is None else float(grad_norm)}
+                "grad_norm": None if grad_norm is None else float(grad_norm),
+                "skipped": not (applied and self.engine.was_step_applied())}
 
     def _replicated_grad_norm(self):
         """DeepSpeed reports the gradient norm from its ZeRO and mixed-precision optimizers, but its plain
@@ -137,8 +187,7 @@ class Trainer:
                 sums = [sums[0] + loss.item(), sums[1] + nll.item(), sums[2] + int((batch["tgt_out"] != self.pad).sum())]
             if ev.valid_bleu:
                 max_len = int(ev.max_len_a * batch["src"].size(1) + ev.max_len_b)
-                # Through the engine's forward, the one path DeepSpeed gathers ZeRO-3 parameters for.
-                found = greedy(lambda prefix: self.engine(batch["src"], prefix), len(indices), self.engine.device,
+                found = greedy(self._next_logits(batch["src"]), len(indices), self.engine.device,
                                self.bos, self.eos, self.pad, max_len, self._all_done)
                 hypotheses.update(zip(map(int, indices), found))
         loss, nll, tokens = self._sum(sums)
@@ -152,6 +201,16 @@ class Trainer:
         self.engine.train()
         return metrics
 
+    def _next_logits(self, src: torch.Tensor):
+        """``prefix -> logits`` for greedy decoding. ZeRO-3 gathers its partitioned parameters only inside the
+        engine's forward, so there every step reruns the full forward (O(T²)); otherwise the model decodes
+        incrementally with its key/value cache."""
+        if self.engine.zero_optimization_partition_weights():
+            return lambda prefix: self.engine(src, prefix)
+        model = self.engine.module
+        memory, cache = model.encode(src), model.empty_cache()
+        return lambda prefix: model.decode(prefix[:, -1:], memory, src, cache)
+
     # ---- logging and saving -------------------------------------------------------------------------
     def log(self, kind: str, metrics: dict) -> None:
         if self.rank != 0:
@@ -163,27 +222,66 @@ class Trainer:
         tqdm.write(f"{kind} step {self.step}: " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
 
     def save(self, best: bool) -> None:
+        # Not "skipped_steps": DeepSpeed keeps its own count under that key.
         client_state = {"step": self.step, "data": self.stream.state_dict(), "best_bleu": self.best_bleu,
-                        "config": OmegaConf.to_container(self.cfg), "spm": self.spm_paths}
+                        "train_minutes": self.minutes(), "non_finite_steps": self.skipped_steps,
+                        "config": OmegaConf.to_container(self.cfg), "spm": self.spm_paths, "spm_sha256": self.spm_sha256}
         checkpoint.save(self.engine, self.cfg.train.output_dir, self.step, client_state, self.cfg.train.keep_last, best)
+
+    def minutes(self) -> float:
+        """Wall-clock minutes of training so far, earlier runs of a resumed job included."""
+        return self.minutes_before + (time.time() - self.started) / 60
+
+    def _stop_reason(self) -> str | None:
+        """A signal on any rank, or ``train.max_minutes`` by rank 0's clock; one collective per step, so that
+        every rank stops after the same step."""
+        limit = self.cfg.train.max_minutes
+        out_of_time = self.rank == 0 and limit > 0 and self.minutes() >= limit
+        signalled, late = self._sum([float(self.stop_signal is not None), float(out_of_time)])
+        return "signal" if signalled else "time" if late else None
+
+    def _count_skip(self, stats: dict) -> None:
+        """A step whose loss or gradient was not finite changed nothing; too many in a row stop the run."""
+        if not stats["skipped"]:
+            self.skips_in_a_row = 0
+            return
+        self.skipped_steps, self.skips_in_a_row = self.skipped_steps + 1, self.skips_in_a_row + 1
+        record = {"skipped_steps": self.skipped_steps, "in_a_row": self.skips_in_a_row}
+        if self.precision == "fp16":  # the loss scaler's own skip: it has just lowered the scale
+            record["loss_scale"] = float(self.engine.optimizer.loss_scale)
+        self.log("skip", record)
+        limit = self.cfg.train.max_skips_in_a_row
+        if self.precision != "fp16" and self.skips_in_a_row >= limit:
+            self.save(best=False)  # skipped steps changed no parameter: this is the last good state
+            raise DsmtError(f"{limit} steps in a row had a non-finite loss or gradient (train.max_skips_in_a_row); "
+                            f"stopped at step {self.step}, last good parameters saved in {self.cfg.train.output_dir}; "
+                            "lower train.lr or check the data")
 
     def run(self) -> None:
         tc = self.cfg.train
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._on_signal)
         progress = tqdm(total=tc.max_steps, initial=self.step, disable=self.rank != 0 or None, unit="step")
-        started, started_step, window_seconds, window_tokens = time.time(), self.step, 0.0, 0
-        while self.step < tc.max_steps:
+        self.started, started_step, window_seconds, window_tokens = time.time(), self.step, 0.0, 0
+        stop = self._stop_reason()  # a resumed run may have no time left
+        done = self.step >= tc.max_steps or stop is not None
+        while not done:
             step_start = time.time()
             stats = self.train_step()
             window_seconds, window_tokens = window_seconds + time.time() - step_start, window_tokens + stats["tokens"]
             progress.update()
+            self._count_skip(stats)
+            stop = self._stop_reason()
+            done = self.step >= tc.max_steps or stop is not None
             if self.step == started_step + 1:  # optimizer state exists after the first step
-                self.log("memory", partitioned_bytes(self.engine))
-            if self.step % tc.log_interval == 0 or self.step == tc.max_steps:
+                self.log("memory", {**partitioned_bytes(self.engine), "gradient_bytes": self.grad_bytes})
+            if self.step % tc.log_interval == 0 or done:
                 # Source+target tokens of the global batch per second of training steps (validation excluded).
                 metrics = {"loss": stats["loss"], "nll": stats["nll"], "ppl": float(np.exp(stats["nll"])),
                            "lr": self.engine.get_lr()[0], "tokens_per_s": window_tokens / window_seconds,
                            "tokens_per_s_per_rank": window_tokens / window_seconds / self.world,
-                           "wall_minutes": (time.time() - started) / 60}
+                           "wall_minutes": self.minutes(), "peak_rss_mb": peak_rss_mb(),
+                           "skipped_steps": self.skipped_steps}
                 if stats["grad_norm"] is not None:
                     metrics["grad_norm"] = stats["grad_norm"]
                 if self.precision == "fp16":
@@ -192,15 +290,18 @@ class Trainer:
                 progress.set_postfix(loss=f"{stats['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
                 window_seconds, window_tokens = 0.0, 0
             improved = False
-            if self.step % tc.valid_interval == 0 or self.step == tc.max_steps:
+            if (self.step % tc.valid_interval == 0 or done) and stop != "signal":  # pre-emption: save at once
                 metrics = self.validate()
-                metrics["wall_minutes"] = (time.time() - started) / 60
+                metrics["wall_minutes"] = self.minutes()
                 if "bleu" in metrics and metrics["bleu"] > self.best_bleu:
                     self.best_bleu, improved = metrics["bleu"], True
                 self.log("valid", metrics)
-            if self.step % tc.save_interval == 0 or self.step == tc.max_steps or improved:
+            if self.step % tc.save_interval == 0 or done or improved:
                 self.save(best=improved)
         progress.close()
+        if stop == "signal" and self.rank == 0:
+            tqdm.write(f"stopped by {self.stop_signal or 'a signal to another rank'} after step {self.step}; "
+                       f"checkpoint saved, resume with train.resume=auto")
         if self.rank == 0:
             self.writer.close()
             self.log_file.close()

@@ -3,7 +3,7 @@
 # node, each with its own NODE_RANK (0 on the master), all naming the master's address.
 #
 #   launch/node.sh NODE_RANK MASTER_ADDR [dsmt train arguments...]
-#   e.g. on worker-1: launch/node.sh 0 10.0.0.1 --config launch/configs/multi30k_en_de.yaml \
+#   e.g. on worker-1: launch/node.sh 0 10.0.0.1 --config launch/configs/multi30k.yaml \
 #                       --deepspeed_config ds_configs/zero2.json
 #        on worker-2: launch/node.sh 1 10.0.0.1 --config ... (the same arguments)
 #
@@ -15,5 +15,5 @@ if [ $# -lt 2 ]; then
 fi
 node_rank=$1 master_addr=$2
 shift 2
-exec deepspeed --hostfile "${HOSTFILE:-hostfile}" --no_ssh --node_rank="$node_rank" \
+exec dsmt launch --hostfile "${HOSTFILE:-hostfile}" --no_ssh --node_rank="$node_rank" \
     --master_addr="$master_addr" --master_port="${MASTER_PORT:-29500}" launch/train.py "$@"

@@ -7,13 +7,12 @@ import torch
 import torch.nn.functional as F
 
 from dsmt import DsmtError
-from dsmt.checkpoint import prune
+from dsmt.checkpoint import latest_tag, prune
 from dsmt.data.prepare import PrepareOptions, prepare
 from dsmt.decode import greedy
-from dsmt.engine import fill_ds_config, inverse_sqrt, read_ds_config
+from dsmt.engine import fill_ds_config, free_port, inverse_sqrt, read_ds_config
 from dsmt.loss import label_smoothed_nll
 from tests.conftest import MULTI30K, PYTHON, REPO, run_env
-from dsmt.engine import free_port
 from tests.training import kill_after, losses, records, train, train_command
 
 DS_CONFIGS = sorted((REPO / "ds_configs").glob("*.json"))
@@ -90,12 +89,12 @@ def test_invalid_json_names_line_and_column(tmp_path):
 
 
 def test_prune_keeps_newest_latest_and_best(tmp_path):
-    for step in (10, 20, 30, 40, 50):
+    for step in (10, 20, 30, 40, 50, 60):
         (tmp_path / f"step{step}").mkdir()
     (tmp_path / "latest").write_text("step50")
     (tmp_path / "best").symlink_to("step20")
-    prune(tmp_path, keep_last=2)
-    assert sorted(p.name for p in tmp_path.glob("step*")) == ["step20", "step40", "step50"]
+    prune(tmp_path, keep_last=2, newest_step=50)  # step60: a save that never completed, or another timeline
+    assert sorted(p.name for p in tmp_path.glob("step*")) == ["step20", "step40", "step50", "step60"]
 
 
 # ---- real training runs ------------------------------------------------------------------------------
@@ -141,10 +140,14 @@ def test_partitioned_memory_halves_with_two_ranks(stage_runs):
         assert memory[stage]["param_bytes"] == base["param_bytes"]
     assert 0.45 <= memory[3]["param_bytes"] / base["param_bytes"] <= 0.55
     assert 0.45 <= memory[3]["optimizer_state_bytes"] / base["optimizer_state_bytes"] <= 0.55
+    assert base["gradient_bytes"] == base["param_bytes"]  # fp32 gradients of every parameter
+    for stage in (2, 3):  # gradients partitioned
+        assert 0.45 <= memory[stage]["gradient_bytes"] / base["gradient_bytes"] <= 0.55
 
 
 @pytest.mark.slow
 def test_zero3_validation_finishes_with_zero0_bleu(stage_runs):
+    """ZeRO-3 decodes through full forward passes in lockstep, ZeRO-0 with the key/value cache: same BLEU."""
     bleu = {stage: [r["bleu"] for _, r in sorted(records(stage_runs[stage], "valid").items())] for stage in (0, 3)}
     assert len(bleu[3]) == 2
     assert bleu[3] == pytest.approx(bleu[0], abs=1e-6)
@@ -264,3 +267,16 @@ def test_bf16_zero2_trains_on_multi30k(tmp_path):
           "train.save_interval=1000", "eval.valid_bleu=false", ds="ds_configs/zero2.json")
     curve = losses(out)
     assert len(curve) == 50 and sum(curve[-5:]) / 5 < sum(curve[:5]) / 5 - 1.0
+
+
+@pytest.mark.slow
+def test_max_minutes_ends_the_run_validated_and_saved_and_counts_across_resume(toy_data, tmp_path):
+    out = tmp_path / "timed"
+    budget = ("train.max_steps=100000", "train.max_minutes=0.1", "train.valid_interval=100000",
+              "train.save_interval=100000")
+    train(toy_data, out, *budget)
+    steps = max(records(out))
+    assert 1 < steps < 100000 and records(out)[steps]["wall_minutes"] >= 0.1
+    assert steps in records(out, "valid") and latest_tag(out / "checkpoints") == f"step{steps}"
+    train(toy_data, out, *budget)  # the budget is spent: the resumed run stops before any step
+    assert max(records(out)) == steps

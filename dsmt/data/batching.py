@@ -104,14 +104,17 @@ class BatchStream:
     def __next__(self) -> dict[str, torch.Tensor]:
         if self._batches is None:
             self._batches = self.batches(self.epoch)
-        if self.position == len(self._batches):
+        if self.position >= len(self._batches):
             self.epoch, self.position, self._batches = self.epoch + 1, 0, self.batches(self.epoch + 1)
         indices = self._batches[self.position]
         self.position += 1
         return self.data.collate(indices)
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position}
+        return {"epoch": self.epoch, "position": self.position, "world_size": self.world_size}
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.position, self._batches = state["epoch"], state["position"], None
+        """Resume where the job stood; on another number of ranks, after the same share of the epoch
+        (rounded up: a few batches may be skipped, none repeated)."""
+        consumed = state["position"] * state["world_size"]
+        self.epoch, self.position, self._batches = state["epoch"], -(-consumed // self.world_size), None
