@@ -49,13 +49,13 @@ def main():
     parser.add_argument("--data", default="data/multi30k_en_de")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--log-interval", type=int, default=10)
-    parser.add_argument("--configs", nargs="+", default=CONFIGS)
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated ds_configs/ names")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="config overrides, e.g. data.max_tokens=2048 (default: the small preset)")
     args = parser.parse_args()
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for config in args.configs:
+        for config in args.configs.split(","):
             results[config] = run(config, args.data, f"{tmp}/{config}", args.steps, args.log_interval, args.overrides)
             print(f"{config}: {results[config]}", file=sys.stderr, flush=True)
     base = results.get("zero0") or next(iter(results.values()))
