@@ -121,18 +121,25 @@ ARCHITECTURE = ("vocab_size", "src_vocab_size", "pad_id", "d_model", "n_heads", 
                 "n_decoder_layers", "d_ff", "norm_first", "share_embeddings", "positions", "max_positions")
 
 
+def require_dsmt_states(tag_dir: Path, states: dict) -> None:
+    """DeepSpeed model states that carry dsmt's client state (model config, vocabulary)."""
+    if not isinstance(states.get("config"), dict) or not isinstance(states.get("spm"), dict):
+        raise DsmtError(f"{tag_dir} was not written by this version of dsmt train (no model config and "
+                        "vocabulary in its client state); use a checkpoint of this version or train.resume=none")
+
+
 def check_resumable(tag_dir: Path, states: dict, model_cfg, spm_sha256: dict, data_dir: str) -> None:
     """The checkpoint must be of this model on this vocabulary; one clear error names the difference."""
-    if not isinstance(states.get("config"), dict):
-        raise DsmtError(f"{tag_dir} was not written by this version of dsmt train; use train.resume=none")
+    require_dsmt_states(tag_dir, states)
     saved = states["config"]["model"]
-    differ = [f"{k}={saved.get(k)} there, {model_cfg[k]} here" for k in ARCHITECTURE if saved.get(k) != model_cfg[k]]
-    if any(k.startswith(("vocab_size", "src_vocab_size")) for k in differ) or states.get("spm_sha256") != spm_sha256:
+    differ = [k for k in ARCHITECTURE if saved.get(k) != model_cfg[k]]
+    if {"vocab_size", "src_vocab_size"} & set(differ) or states.get("spm_sha256") != spm_sha256:
         raise DsmtError(f"{tag_dir} was trained on the vocabulary of data.dir={states['config']['data']['dir']}, "
                         f"not on that of {data_dir}; resume with the data it was trained on, or set a new "
                         "train.output_dir")
     if differ:
-        raise DsmtError(f"{tag_dir} is a checkpoint of another model ({'; '.join(differ)}); use its model config "
+        found = "; ".join(f"{k}={saved.get(k)} there, {model_cfg[k]} here" for k in differ)
+        raise DsmtError(f"{tag_dir} is a checkpoint of another model ({found}); use its model config "
                         "or a new train.output_dir")
 
 
@@ -175,8 +182,8 @@ SPM_FILES = {"src": "spm.src.model", "tgt": "spm.tgt.model"}
 def _tag_dir(path: Path) -> Path:
     """A DeepSpeed tag folder from a tag folder, a checkpoints folder or an output folder (``latest``)."""
     for folder in (path, path / "checkpoints"):
-        if latest_tag(folder):
-            return folder / latest_tag(folder)
+        if tag := latest_tag(folder):
+            return folder / tag
     return path
 
 
@@ -214,9 +221,7 @@ def load_model(path: str):
     else:
         tag_dir = _tag_dir(folder)
         states = model_states(tag_dir)
-        if not isinstance(states.get("config"), dict) or not isinstance(states.get("spm"), dict):
-            raise DsmtError(f"{tag_dir} was not written by this version of dsmt train (no model config and "
-                            "vocabulary in its client state)")
+        require_dsmt_states(tag_dir, states)
         model_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), states["config"]["model"])
         weights, spm_paths = _deepspeed_weights(tag_dir, states), {k: Path(v) for k, v in states["spm"].items()}
     model = Transformer(model_cfg)

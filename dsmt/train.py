@@ -74,7 +74,7 @@ class Trainer:
         self.accumulation = ds_config["gradient_accumulation_steps"]
         self.precision = next((k for k in ("fp16", "bf16") if ds_config[k]["enabled"]), "fp32")
         self.stream = BatchStream(self.train_data, cfg.data.max_tokens, cfg.train.seed, self.rank, self.world)
-        self.step, self.best_bleu, self.minutes_before, self.grad_bytes = 0, -1.0, 0.0, 0
+        self.step, self.best_bleu, self.minutes_before, self.grad_bytes = 0, -1.0, 0.0, None
         self.skipped_steps, self.skips_in_a_row, self.stop_signal = 0, 0, None
         state = checkpoint.load(self.engine, source) if source else None
         if state:
@@ -147,7 +147,8 @@ class Trainer:
             if self.engine.is_gradient_accumulation_boundary():
                 grad_norm = self._replicated_grad_norm()
                 applied = grad_norm is None or bool(torch.isfinite(grad_norm))
-                self.grad_bytes = self.grad_bytes or gradient_bytes(self.engine)
+                if self.grad_bytes is None:  # measured once, for the memory record of the first step
+                    self.grad_bytes = gradient_bytes(self.engine)
             if applied:
                 self.engine.step()
             else:  # plain fp32 ZeRO-0, the one path where DeepSpeed does not check: step it without the update

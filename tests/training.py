@@ -13,8 +13,9 @@ from tests.conftest import PYTHON, REPO, run_env
 DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
 # A model that trains in well under a second per step on one core; dropout off so runs of different
 # world sizes are comparable.
-TINY = ["model.d_model=64", "model.n_heads=4", "model.n_encoder_layers=2", "model.n_decoder_layers=2",
-        "model.d_ff=128", "model.dropout=0", "train.threads=1", "train.log_interval=1", "data.max_tokens=1024",
+TINY_MODEL = ["model.d_model=64", "model.n_heads=4", "model.n_encoder_layers=2", "model.n_decoder_layers=2",
+              "model.d_ff=128"]
+TINY = [*TINY_MODEL, "model.dropout=0", "train.threads=1", "train.log_interval=1", "data.max_tokens=1024",
         "train.lr=3e-3", "train.warmup_steps=10"]
 
 
@@ -28,9 +29,10 @@ def train_command(data_dir, out, *overrides, ranks=1, ds="ds_configs/zero0.json"
     return [DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(free_port()), *args]
 
 
-def train(data_dir, out, *overrides, ranks=1, ds="ds_configs/zero0.json", timeout=600, check=True):
-    result = subprocess.run(train_command(data_dir, out, *overrides, ranks=ranks, ds=ds), cwd=REPO, env=run_env(),
-                            capture_output=True, text=True, timeout=timeout)
+def train(data_dir, out, *overrides, ranks=1, ds="ds_configs/zero0.json", timeout=600, check=True, faults=""):
+    """One training job; ``faults`` is a ``DSMT_FAULT`` spec (see dsmt/faults.py)."""
+    result = subprocess.run(train_command(data_dir, out, *overrides, ranks=ranks, ds=ds), cwd=REPO,
+                            env=run_env(DSMT_FAULT=faults), capture_output=True, text=True, timeout=timeout)
     if check:
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
