@@ -12,7 +12,7 @@ import time
 import torch
 
 from dsmt.config import load_config
-from dsmt.engine import build_engine, init_distributed, read_ds_config
+from dsmt.engine import build_engine, close_distributed, init_distributed, read_ds_config
 from dsmt.loss import label_smoothed_nll
 from dsmt.model import Transformer
 from flops import parameter_counts, step_flops
@@ -75,6 +75,7 @@ def main():
     mfu = f"{achieved / peak:.1%}" if peak else "n/a (unknown peak)"
     print(f"| {name} | {args.preset} {sum(params.values()) / 1e6:.0f}M | {args.deepspeed_config} | {args.precision} "
           f"| {args.batch}×{args.length} | {tokens:,.0f} | {achieved:.1f} TFLOP/s | {mfu} | {memory} |", flush=True)
+    close_distributed()
 
 
 if __name__ == "__main__":

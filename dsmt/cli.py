@@ -4,6 +4,7 @@ A ``DsmtError`` becomes one line on stderr and exit status 2, never a traceback.
 """
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -35,7 +36,6 @@ def _train(args) -> None:
 
 def _launch(args) -> None:
     """``deepspeed ARGS`` once the hostfile (if any) has passed ``check_hostfile``."""
-    import os
     import shutil
 
     from dsmt.engine import check_hostfile
@@ -194,10 +194,23 @@ def main(argv=None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         args.func(args)
+        code = 0
     except DsmtError as e:
         print(f"dsmt: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+        code = 2
+    if args.verb == "train":
+        _leave(code)
+    return code
+
+
+def _leave(code: int) -> None:
+    """A training process ends without interpreter finalization. A Gloo worker thread that drops its last
+    reference to a tensor while Python finalizes needs the GIL, is made to exit, and aborts the whole process
+    ("terminate called without an active exception", SIGABRT; pytorch#38228, #190489): a finished run would
+    now and then be reported as failed. Everything dsmt writes is closed by now; flush what Python buffers."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from dsmt import DsmtError, checkpoint, faults
 from dsmt.data.batching import BatchStream, ParallelData, epoch_batches, shard
 from dsmt.data.prepare import load_meta
 from dsmt.decode import greedy
-from dsmt.engine import build_engine, gradient_bytes, init_distributed, partitioned_bytes, read_ds_config, zero_stage
+from dsmt.engine import build_engine, close_distributed, gradient_bytes, init_distributed, partitioned_bytes, read_ds_config, zero_stage
 from dsmt.loss import label_smoothed_nll
 from dsmt.model import Transformer
 
@@ -309,4 +309,7 @@ class Trainer:
 
 
 def train(cfg) -> None:
-    Trainer(cfg).run()
+    try:
+        Trainer(cfg).run()
+    finally:
+        close_distributed()

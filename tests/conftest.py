@@ -1,4 +1,3 @@
-import glob
 import os
 import sys
 from pathlib import Path
@@ -41,16 +40,3 @@ def toy_data(tmp_path_factory):
     raw.mkdir()
     prepare(write_toy_corpus(raw), str(folder / "data"), PrepareOptions("en", "de", vocab_size=300))
     return folder / "data"
-
-
-DEEPSPEED_SHM = "/dev/shm/deepspeed_allreduce_buffer_*"
-
-
-@pytest.fixture(scope="session", autouse=True)
-def remove_deepspeed_shm_buffers():
-    """DeepSpeed's CPU shared-memory all-reduce leaves two 69 MB files in /dev/shm per 2-rank job (killed
-    or not); the suite removes those its own jobs left once they have all ended."""
-    before = set(glob.glob(DEEPSPEED_SHM))
-    yield
-    for path in set(glob.glob(DEEPSPEED_SHM)) - before:
-        os.remove(path)

@@ -18,7 +18,7 @@ from dsmt.checkpoint import latest_tag, load_model
 from dsmt.data.batching import BatchStream, ParallelData
 from dsmt.engine import check_hostfile
 from tests.conftest import PYTHON, REPO, run_env
-from tests.training import TINY_MODEL, records, train, train_command
+from tests.training import TINY_MODEL, deepspeed_shm_files, records, train, train_command
 
 QUIET = ("eval.valid_bleu=false", f"train.valid_interval={10 ** 6}")
 
@@ -45,7 +45,8 @@ def run_with_faults(data, out, faults: str, *overrides, ranks=2, ds="ds_configs/
 def test_kill_loop_resumes_to_the_uninterrupted_parameters(toy_data, tmp_path):
     """Five kill -9 points chosen by seed, each of one rank (the launcher then ends the job), one of them
     while a checkpoint is being written; after each, resume=auto. The final parameters are bitwise those
-    of the run that was never interrupted."""
+    of the run that was never interrupted. No job, killed or not, leaves a /dev/shm buffer behind."""
+    shm_before = deepspeed_shm_files()
     steps, every = 30, 4
     common = (f"train.max_steps={steps}", f"train.save_interval={every}", *QUIET)
     reference = tmp_path / "reference"
@@ -66,6 +67,7 @@ def test_kill_loop_resumes_to_the_uninterrupted_parameters(toy_data, tmp_path):
     train(toy_data, out, *common, ranks=2)
     assert max(records(out)) == steps
     assert_same_parameters(reference, out)
+    assert deepspeed_shm_files() <= shm_before
 
 
 @pytest.mark.slow

@@ -227,7 +227,7 @@ def test_every_ds_config_initializes_on_cpu(toy_data, tmp_path):
     script = f"""
 import json, sys, torch
 from dsmt.config import load_config
-from dsmt.engine import build_engine, init_distributed
+from dsmt.engine import build_engine, close_distributed, init_distributed
 from dsmt.model import Transformer
 init_distributed()
 for path in {[str(p) for p in DS_CONFIGS]!r}:
@@ -240,6 +240,7 @@ for path in {[str(p) for p in DS_CONFIGS]!r}:
         engine.backward(loss)
         engine.step()
         print("OK", path, precision, ds["zero_optimization"]["stage"], flush=True)
+close_distributed()
 """
     result = subprocess.run([PYTHON, "-c", script], cwd=REPO, env=run_env(), capture_output=True, text=True,
                             timeout=900)

@@ -1,5 +1,6 @@
 """Helpers for tests that run real training jobs in subprocesses (the deepspeed launcher for several ranks)."""
 
+import glob
 import json
 import signal
 import subprocess
@@ -65,3 +66,8 @@ def kill_after(command, out, step: int, timeout=300) -> int:
             break
         time.sleep(0.02)
     return process.wait()
+
+
+def deepspeed_shm_files() -> set[str]:
+    """The shared-memory buffers of DeepSpeed's CPU all-reduce (dsmt.engine unlinks its jobs' own)."""
+    return set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
