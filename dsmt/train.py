@@ -259,10 +259,23 @@ class Trainer:
                             "lower train.lr or check the data")
 
     def run(self) -> None:
-        tc = self.cfg.train
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._on_signal)
-        progress = tqdm(total=tc.max_steps, initial=self.step, disable=self.rank != 0 or None, unit="step")
+        progress = tqdm(total=self.cfg.train.max_steps, initial=self.step, disable=self.rank != 0 or None, unit="step")
+        try:
+            stop = self._loop(progress)
+        finally:  # also on an error: the process ends without finalization (dsmt.cli), so close what buffers
+            progress.close()
+            if self.rank == 0:
+                self.writer.close()
+                self.log_file.close()
+        if stop == "signal" and self.rank == 0:
+            tqdm.write(f"stopped by {self.stop_signal or 'a signal to another rank'} after step {self.step}; "
+                       f"checkpoint saved, resume with train.resume=auto")
+
+    def _loop(self, progress) -> str | None:
+        """Train until max_steps, the time budget or a signal; returns the stop reason (None: max_steps)."""
+        tc = self.cfg.train
         self.started, started_step, window_seconds, window_tokens = time.time(), self.step, 0.0, 0
         stop = self._stop_reason()  # a resumed run may have no time left
         done = self.step >= tc.max_steps or stop is not None
@@ -299,13 +312,7 @@ class Trainer:
                 self.log("valid", metrics)
             if self.step % tc.save_interval == 0 or done or improved:
                 self.save(best=improved)
-        progress.close()
-        if stop == "signal" and self.rank == 0:
-            tqdm.write(f"stopped by {self.stop_signal or 'a signal to another rank'} after step {self.step}; "
-                       f"checkpoint saved, resume with train.resume=auto")
-        if self.rank == 0:
-            self.writer.close()
-            self.log_file.close()
+        return stop
 
 
 def train(cfg) -> None:
