@@ -5,27 +5,42 @@
 The baseline is written the way most tutorials write it: ``torch.nn.Transformer`` with masks built
 outside the model and an ordinary loop. Both train on the same length-bucketed batches (the speed
 ratio); the baseline also trains on the tutorials' batching (a fixed number of sentences in random
-order), which shows what padding costs. Tokens are real (non-pad) source + target tokens. The runs
-alternate (baseline, dsmt, baseline, dsmt, ...) and the table keeps each one's best round. Model
-GFLOP/s (benchmarks/flops.py, padded positions included) against this CPU's own matrix-multiply rate
-shows how much headroom is left: on identical batches both trainers do the same arithmetic.
+order), which shows what padding costs, and once more with the allocator setting dsmt makes
+(``dsmt.train.keep_freed_memory``), which shows how much of the gap that setting is. Each trainer runs
+in a process of its own, as it would be run, one after the other, for several rounds; the table keeps
+each one's best round. Tokens are real (non-pad) source + target tokens. Model GFLOP/s
+(benchmarks/flops.py, padded positions included) against this CPU's own matrix-multiply rate shows
+how much headroom is left: on identical batches every trainer does the same arithmetic.
 """
 
 import argparse
+import json
 import math
+import subprocess
+import sys
 import tempfile
 import time
 import warnings
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 
 from dsmt.config import load_config
 from dsmt.data.batching import ParallelData, epoch_batches
-from dsmt.model import sinusoidal_table
-from dsmt.train import Trainer
+from dsmt.data.prepare import load_meta
+from dsmt.model import Transformer, sinusoidal_table
+from dsmt.train import Trainer, fill_model_config, keep_freed_memory
 from flops import matmul_flops_per_s, parameter_counts, step_flops
+
+# name: (trainer, batches, description)
+TRAINERS = {
+    "baseline": ("baseline", "bucketed", "plain PyTorch nn.Transformer"),
+    "baseline_tutorial": ("baseline", "tutorial", "plain PyTorch nn.Transformer"),
+    "baseline_keep_freed_memory": ("baseline", "bucketed", "plain PyTorch nn.Transformer + dsmt's malloc setting"),
+    "dsmt": ("dsmt", "bucketed", "dsmt, DeepSpeed ZeRO-0"),
+}
 
 
 class TutorialTransformer(nn.Module):
@@ -85,15 +100,49 @@ def run_dsmt(trainer, batches, pad, warmup):
     return tokens / (time.perf_counter() - start)
 
 
-def flops_per_real_token(batches, cfg, params, pad):
-    flops = sum(step_flops(cfg, params, b["src"].size(0), b["src"].size(1), b["tgt_in"].size(1)) for b in batches)
-    return flops / sum(real_tokens(b, pad) for b in batches)
-
-
 def padding(batches, pad):
     real = sum(real_tokens(b, pad) for b in batches)
     total = sum(b["src"].numel() + b["tgt_out"].numel() for b in batches)
     return 1 - real / total
+
+
+def config_overrides(args, out):
+    return [f"data.dir={args.data}", f"train.output_dir={out}", "train.resume=none", f"train.threads={args.threads}",
+            "train.precision=fp32", "train.deepspeed_config=ds_configs/zero0.json"]
+
+
+def worker(args) -> dict:
+    """One trainer in this process: its tokens/s, and what the table needs about its batches."""
+    trainer_kind, batching, _ = TRAINERS[args.worker]
+    torch.set_num_threads(args.threads)
+    # The tutorials' float causal mask beside a bool padding mask: PyTorch warns, and it is what they do.
+    warnings.filterwarnings("ignore", message="Support for mismatched key_padding_mask")
+    with tempfile.TemporaryDirectory() as out:
+        cfg = load_config(overrides=config_overrides(args, out))
+        fill_model_config(cfg, load_meta(args.data), args.data)
+        m, pad = cfg.model, cfg.model.pad_id
+        data = ParallelData(args.data, "train")
+        count = args.warmup + args.steps
+        if batching == "bucketed":
+            batches = [data.collate(b) for b in epoch_batches(data.src_lens, data.tgt_lens, args.max_tokens, 1, 0)[:count]]
+        else:
+            order = np.random.default_rng(1).permutation(len(data))
+            batches = [data.collate(order[i:i + args.tutorial_batch])
+                       for i in range(0, count * args.tutorial_batch, args.tutorial_batch)]
+        torch.manual_seed(1)
+        if trainer_kind == "dsmt":
+            trainer = Trainer(cfg)  # sets dsmt's threads and allocator itself
+            speed, parameters = run_dsmt(trainer, batches, pad, args.warmup), trainer.engine.module.parameters()
+        else:
+            if args.worker == "baseline_keep_freed_memory":
+                keep_freed_memory()
+            model = TutorialTransformer(m.vocab_size, m.d_model, m.n_heads, m.n_encoder_layers, m.d_ff, m.dropout, pad)
+            speed, parameters = run_baseline(model, batches, pad, args.warmup), model.parameters()
+        timed, counts = batches[args.warmup:], parameter_counts(Transformer(m))
+        flops = sum(step_flops(m, counts, b["src"].size(0), b["src"].size(1), b["tgt_in"].size(1)) for b in timed)
+        return {"tokens_per_s": speed, "padding": padding(batches, pad),
+                "flops_per_real_token": flops / sum(real_tokens(b, pad) for b in timed),
+                "parameters": sum(p.numel() for p in parameters), "model": OmegaConf.to_container(m)}
 
 
 def main():
@@ -105,52 +154,40 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=4096)
     parser.add_argument("--tutorial-batch", type=int, default=128, help="sentences per tutorial-style batch")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--worker", choices=TRAINERS, help=argparse.SUPPRESS)  # one trainer, in a child process
     args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return
+
+    results = {name: [] for name in TRAINERS}
+    for _ in range(args.rounds):
+        for name in TRAINERS:
+            command = [sys.executable, __file__, *sys.argv[1:], "--worker", name]
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode:
+                raise SystemExit(f"{name} failed:\n{done.stderr[-2000:]}")
+            results[name].append(json.loads(done.stdout.splitlines()[-1]))
+            print(f"{name}: {results[name][-1]['tokens_per_s']:.0f} tokens/s", file=sys.stderr, flush=True)
     torch.set_num_threads(args.threads)
-    # The tutorials' float causal mask beside a bool padding mask: PyTorch warns, and it is what they do.
-    warnings.filterwarnings("ignore", message="Support for mismatched key_padding_mask")
+    peak = matmul_flops_per_s()
 
-    with tempfile.TemporaryDirectory() as out:
-        cfg = load_config(overrides=[f"data.dir={args.data}", f"train.output_dir={out}", "train.resume=none",
-                                     f"train.threads={args.threads}", "train.precision=fp32",
-                                     "train.deepspeed_config=ds_configs/zero0.json"])
-        trainer = Trainer(cfg)
-        m, pad = cfg.model, trainer.pad
-        data = ParallelData(args.data, "train")
-        count = args.warmup + args.steps
-        bucketed = [data.collate(b) for b in epoch_batches(data.src_lens, data.tgt_lens, args.max_tokens, 1, 0)[:count]]
-        order = np.random.default_rng(1).permutation(len(data))
-        tutorial = [data.collate(order[i:i + args.tutorial_batch])
-                    for i in range(0, count * args.tutorial_batch, args.tutorial_batch)]
-        torch.manual_seed(1)
-        baseline = TutorialTransformer(m.vocab_size, m.d_model, m.n_heads, m.n_encoder_layers, m.d_ff, m.dropout, pad)
-        n_dsmt = sum(p.numel() for p in trainer.engine.module.parameters())
-        n_base = sum(p.numel() for p in baseline.parameters())
-
-        results = {"baseline": [], "baseline_tutorial": [], "dsmt": []}
-        for _ in range(args.rounds):
-            results["baseline"].append(run_baseline(baseline, bucketed, pad, args.warmup))
-            results["dsmt"].append(run_dsmt(trainer, bucketed, pad, args.warmup))
-            results["baseline_tutorial"].append(run_baseline(baseline, tutorial, pad, args.warmup))
-
-        params = parameter_counts(trainer.engine.module)
-        peak = matmul_flops_per_s()
-
-    best = {k: max(v) for k, v in results.items()}
-    print(f"model {m.d_model}-d, {m.n_encoder_layers}+{m.n_decoder_layers} layers, d_ff {m.d_ff}: dsmt {n_dsmt / 1e6:.2f}M "
-          f"parameters, baseline {n_base / 1e6:.2f}M; {args.threads} threads; {args.steps} timed steps, best of {args.rounds}")
+    best = {name: max(runs, key=lambda r: r["tokens_per_s"]) for name, runs in results.items()}
+    m, base = best["dsmt"]["model"], best["baseline"]["tokens_per_s"]
+    print(f"model {m['d_model']}-d, {m['n_encoder_layers']}+{m['n_decoder_layers']} layers, d_ff {m['d_ff']}: "
+          f"dsmt {best['dsmt']['parameters'] / 1e6:.2f}M parameters, baseline {best['baseline']['parameters'] / 1e6:.2f}M; "
+          f"{args.threads} threads; {args.steps} timed steps, best of {args.rounds} rounds, each in its own process")
     print(f"this CPU's fp32 matmul rate (2048², {args.threads} threads): {peak / 1e9:.0f} GFLOP/s")
     print("| trainer | batches | padding | real src+tgt tokens/s | vs baseline on the same batches "
           "| model GFLOP/s (share of the matmul rate) |")
     print("| --- | --- | --- | --- | --- | --- |")
-    rows = [("plain PyTorch nn.Transformer", f"bucketed, {args.max_tokens} tokens", bucketed, best["baseline"]),
-            ("plain PyTorch nn.Transformer", f"random order, {args.tutorial_batch} sentences", tutorial,
-             best["baseline_tutorial"]),
-            ("dsmt, DeepSpeed ZeRO-0", f"bucketed, {args.max_tokens} tokens", bucketed, best["dsmt"])]
-    for name, batching, batches, speed in rows:
-        flops = speed * flops_per_real_token(batches[args.warmup:], m, params, pad)
-        print(f"| {name} | {batching} | {padding(batches, pad):.1%} | {speed:.0f} | {speed / best['baseline']:.2f}× "
-              f"| {flops / 1e9:.0f} ({flops / peak:.0%}) |")
+    for name, (_, batching, description) in TRAINERS.items():
+        r = best[name]
+        batches = (f"bucketed, {args.max_tokens} tokens" if batching == "bucketed"
+                   else f"random order, {args.tutorial_batch} sentences")
+        flops = r["tokens_per_s"] * r["flops_per_real_token"]
+        print(f"| {description} | {batches} | {r['padding']:.1%} | {r['tokens_per_s']:.0f} | "
+              f"{r['tokens_per_s'] / base:.2f}× | {flops / 1e9:.0f} ({flops / peak:.0%}) |")
 
 
 if __name__ == "__main__":

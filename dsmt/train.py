@@ -4,6 +4,7 @@ It knows the model only through its forward (logits, also for greedy validation)
 DeepSpeed only through the engine; data only through ``BatchStream``.
 """
 
+import ctypes
 import hashlib
 import json
 import os
@@ -40,6 +41,24 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def keep_freed_memory() -> None:
+    """Make glibc's malloc keep freed memory for reuse instead of handing it back to the kernel.
+
+    By default every block over 32 MB (a step's logits, their log-probabilities and gradients) is a fresh
+    mmap, unmapped again when freed, so each training step page-faults hundreds of MB back in: on a CPU
+    about a tenth of the step is spent in the kernel zeroing pages. PyTorch's CPU tuning guide swaps the
+    allocator for this (jemalloc, tcmalloc); two mallopt calls get the same from the one every Linux
+    process has, at the price of a slightly higher resident peak. Elsewhere (macOS, musl) nothing happens.
+    """
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return
+    m_trim_threshold, m_mmap_max = -1, -4  # from glibc's malloc.h
+    mallopt(m_mmap_max, 0)  # large blocks come from the heap, where freed ones are reused
+    mallopt(m_trim_threshold, 2 ** 31 - 1)  # and the heap's free top is never returned
+
+
 def fill_model_config(cfg, meta: dict, data_dir: str) -> None:
     """Vocabulary sizes and the pad id come from the data directory, never from the user."""
     vocab = meta["vocab_size"]
@@ -56,6 +75,7 @@ class Trainer:
         self.cfg = cfg
         self.rank, self.world, local_world = init_distributed()
         torch.set_num_threads(cfg.train.threads or max(1, (os.cpu_count() or 1) // local_world))
+        keep_freed_memory()
         meta = load_meta(cfg.data.dir)
         fill_model_config(cfg, meta, cfg.data.dir)
         self.pad, self.bos, self.eos = (meta["specials"][k] for k in ("pad", "bos", "eos"))

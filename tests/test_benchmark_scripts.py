@@ -1,4 +1,4 @@
-"""Benchmark scripts run (not timed): the BLEU plot from TensorBoard scalars, the GPU check on a CPU."""
+"""Benchmark scripts run (not timed): the BLEU plot from TensorBoard scalars, the GPU check on a CPU, the throughput table."""
 
 import subprocess
 
@@ -35,3 +35,14 @@ def test_gpu_check_runs_on_cpu_and_prints_its_row():
     assert done.returncode == 0, done.stderr[-2000:]
     row = [line for line in done.stdout.splitlines() if line.startswith("| cpu | small")]
     assert len(row) == 1 and "TFLOP/s" in row[0] and "n/a" in row[0]
+
+
+def test_train_throughput_runs_each_trainer_in_its_own_process_and_prints_the_table(toy_data):
+    done = subprocess.run([PYTHON, "benchmarks/train_throughput.py", "--data", str(toy_data), "--steps", "1",
+                           "--warmup", "1", "--rounds", "1", "--max-tokens", "256", "--tutorial-batch", "8",
+                           "--threads", "1"], cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split(" | ") for line in done.stdout.splitlines() if line.startswith("| ") and "×" in line]
+    assert [row[0] for row in rows] == ["| plain PyTorch nn.Transformer"] * 2 + [
+        "| plain PyTorch nn.Transformer + dsmt's malloc setting", "| dsmt, DeepSpeed ZeRO-0"]
+    assert rows[0][4] == "1.00×" and all(float(row[3]) > 0 for row in rows)
