@@ -3,7 +3,7 @@
     python launch/multi30k.py --src en --tgt de          # 60 minutes of training on 2 CPU cores
     python launch/multi30k.py --src de --tgt en train.max_minutes=30
 
-Extra ``key=value`` arguments override ``launch/configs/multi30k.yaml``. After training, the candidates
+Extra ``key=value`` arguments override ``launch/configs/multi30k_en_de.yaml``. After training, the candidates
 are the best-BLEU checkpoint and the averages of the last 1, 3 and 5 checkpoints; each is decoded on
 valid with beam 5, and the length penalty is chosen on valid for the best one. Only that model and
 penalty translate test2016. The result (test sacreBLEU and chrF with signatures, the choices, minutes,
@@ -27,7 +27,7 @@ from dsmt.config import load_config
 from dsmt.translate import Translator, evaluate
 
 REPO = Path(__file__).resolve().parent.parent
-CONFIG = REPO / "launch" / "configs" / "multi30k.yaml"
+CONFIG = REPO / "launch" / "configs" / "multi30k_en_de.yaml"  # De→En overrides its data and output dirs
 LENPENS = (0.6, 1.0, 1.4)
 
 

@@ -3,7 +3,7 @@
 # node, each with its own NODE_RANK (0 on the master), all naming the master's address.
 #
 #   launch/node.sh NODE_RANK MASTER_ADDR [dsmt train arguments...]
-#   e.g. on worker-1: launch/node.sh 0 10.0.0.1 --config launch/configs/multi30k.yaml \
+#   e.g. on worker-1: launch/node.sh 0 10.0.0.1 --config launch/configs/multi30k_en_de.yaml \
 #                       --deepspeed_config ds_configs/zero2.json
 #        on worker-2: launch/node.sh 1 10.0.0.1 --config ... (the same arguments)
 #

@@ -1,6 +1,6 @@
 """Training entry point for the `deepspeed` launcher, `torchrun`, or plain `python` (one process).
 
-    deepspeed --num_gpus 8 launch/train.py --config launch/configs/multi30k.yaml \
+    deepspeed --num_gpus 8 launch/train.py --config launch/configs/multi30k_en_de.yaml \
         --deepspeed_config ds_configs/zero2.json train.max_steps=20000
 """
 
