@@ -6,16 +6,17 @@ import subprocess
 import pytest
 
 from tests.conftest import PYTHON, REPO, run_env
+from tests.training import TINY_MODEL
 
-TINY = ["model.d_model=32", "model.n_heads=2", "model.n_encoder_layers=1", "model.n_decoder_layers=1", "model.d_ff=64",
-        "train.threads=1", "train.max_steps=5", "train.save_interval=1", "train.valid_interval=2"]
+SHORT_RUN = ["train.threads=1", "train.max_steps=5", "train.save_interval=1", "train.valid_interval=2"]
 
 
 @pytest.mark.slow
 def test_multi30k_recipe_chooses_on_valid_and_writes_its_test_result(tmp_path, multi30k_dir):
     data, run = tmp_path / "data", tmp_path / "run"
-    done = subprocess.run([PYTHON, "launch/multi30k.py", "--src", "de", "--tgt", "en", f"data.dir={data}",
-                           f"train.output_dir={run}", *TINY], cwd=REPO, env=run_env(), capture_output=True, text=True)
+    command = [PYTHON, "launch/multi30k.py", "--src", "de", "--tgt", "en",
+               f"data.dir={data}", f"train.output_dir={run}", *TINY_MODEL, *SHORT_RUN]
+    done = subprocess.run(command, cwd=REPO, env=run_env(), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((run / "results.json").read_text())
     assert results["direction"] == "de-en" and results["steps"] == 5
