@@ -3,12 +3,9 @@
 6 × parameters × tokens, each token counted against the stack it passes (encoder for source tokens;
 decoder and output projection for target tokens), plus attention's score and value products,
 12 · d_model · query length · key length per layer and sentence (causal attention counted in full).
-Padded positions count: they are computed.
+Padded positions count, as MFU conventions count them (dsmt's loss skips the output projection at
+padded targets, so it executes a few percent less).
 """
-
-import time
-
-import torch
 
 
 def parameter_counts(model) -> dict[str, int]:
@@ -23,12 +20,3 @@ def step_flops(cfg, params: dict, batch: int, src_len: int, tgt_len: int) -> flo
                                             + cfg.n_decoder_layers * (tgt_len ** 2 + src_len * tgt_len))
     return dense + attention
 
-
-def matmul_flops_per_s(size: int = 2048, repeats: int = 5) -> float:
-    """This machine's fp32 matrix-multiply throughput with the current torch threads: the practical peak."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    a @ b
-    start = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    return 2 * size ** 3 * repeats / (time.perf_counter() - start)

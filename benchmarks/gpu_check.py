@@ -13,7 +13,6 @@ import torch
 
 from dsmt.config import load_config
 from dsmt.engine import build_engine, close_distributed, init_distributed, read_ds_config
-from dsmt.loss import label_smoothed_nll
 from dsmt.model import Transformer
 from flops import parameter_counts, step_flops
 
@@ -47,7 +46,7 @@ def main():
         model = Transformer(cfg.model)
         params = parameter_counts(model)
         engine, _ = build_engine(model, cfg, world)
-    device, pad = engine.device, cfg.model.pad_id
+    device = engine.device
     shape = (args.batch, args.length)
     src = torch.randint(4, args.vocab, shape, device=device)
     tgt = torch.randint(4, args.vocab, (args.batch, args.length + 1), device=device)
@@ -61,8 +60,7 @@ def main():
         if step == args.warmup:
             synchronize()
             start = time.perf_counter()
-        logits = engine(src, tgt[:, :-1])
-        loss, _ = label_smoothed_nll(logits, tgt[:, 1:], 0.1, pad)
+        loss, _ = engine(src, tgt[:, :-1], tgt[:, 1:], 0.1)
         engine.backward(loss / tgt[:, 1:].numel())
         engine.step()
     synchronize()

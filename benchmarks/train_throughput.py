@@ -3,44 +3,39 @@
     python benchmarks/train_throughput.py --data data/multi30k_en_de
 
 The baseline is written the way most tutorials write it: ``torch.nn.Transformer`` with masks built
-outside the model and an ordinary loop. Both train on the same length-bucketed batches (the speed
-ratio); the baseline also trains on the tutorials' batching (a fixed number of sentences in random
-order), which shows what padding costs, and once more with the allocator setting dsmt makes
-(``dsmt.train.keep_freed_memory``), which shows how much of the gap that setting is. Each trainer runs
-in a process of its own, as it would be run, one after the other, for several rounds; the table keeps
-each one's best round. Tokens are real (non-pad) source + target tokens. Model GFLOP/s
-(benchmarks/flops.py, padded positions included) against this CPU's own matrix-multiply rate shows
-how much headroom is left: on identical batches every trainer does the same arithmetic.
+outside the model and an ordinary loop. It trains on the same length-bucketed batches as dsmt (the
+speed ratio) and once more on the tutorials' batching (a fixed number of sentences in random order),
+which shows what padding costs. All trainers share one process and take turns step by step, the
+order alternating, with a 2048² matrix multiply timed in each turn as well: this machine's speed
+drifts by up to 20% within minutes, and turns this short see the same drift. The speedup is the
+ratio of summed step times on identical batches; the spread of the per-step ratios shows the noise.
+dsmt's process-wide settings (threads, ``keep_freed_memory``) hold for the baseline as well, so the
+ratio is what dsmt's model, loss and loop gain. Tokens are real (non-pad) source + target tokens.
+Model GFLOP/s (benchmarks/flops.py, padded positions included) against the matrix multiply's rate
+shows how much headroom is left: on identical batches every trainer does the same model arithmetic.
 """
 
 import argparse
-import json
 import math
-import subprocess
-import sys
+import statistics
 import tempfile
 import time
 import warnings
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
 from torch import nn
 
 from dsmt.config import load_config
 from dsmt.data.batching import ParallelData, epoch_batches
 from dsmt.data.prepare import load_meta
 from dsmt.model import Transformer, sinusoidal_table
-from dsmt.train import Trainer, fill_model_config, keep_freed_memory
-from flops import matmul_flops_per_s, parameter_counts, step_flops
+from dsmt.train import Trainer, fill_model_config
+from flops import parameter_counts, step_flops
 
-# name: (trainer, batches, description)
-TRAINERS = {
-    "baseline": ("baseline", "bucketed", "plain PyTorch nn.Transformer"),
-    "baseline_tutorial": ("baseline", "tutorial", "plain PyTorch nn.Transformer"),
-    "baseline_keep_freed_memory": ("baseline", "bucketed", "plain PyTorch nn.Transformer + dsmt's malloc setting"),
-    "dsmt": ("dsmt", "bucketed", "dsmt, DeepSpeed ZeRO-0"),
-}
+MATMUL_SIZE = 2048
+TRAINERS = {"baseline": "plain PyTorch nn.Transformer", "baseline_tutorial": "plain PyTorch nn.Transformer",
+            "dsmt": "dsmt, DeepSpeed ZeRO-0"}
 
 
 class TutorialTransformer(nn.Module):
@@ -68,14 +63,13 @@ def real_tokens(batch, pad):
     return int((batch["src"] != pad).sum() + (batch["tgt_out"] != pad).sum())
 
 
-def run_baseline(model, batches, pad, warmup):
+def baseline_step(model, pad):
+    """One step of the tutorials' loop: masks built outside the model, CrossEntropyLoss, Adam."""
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
     criterion = nn.CrossEntropyLoss(ignore_index=pad, label_smoothing=0.1)
     model.train()
-    tokens, start = 0, None
-    for i, batch in enumerate(batches):
-        if i == warmup:
-            tokens, start = 0, time.perf_counter()
+
+    def step(batch):
         src, tgt_in, tgt_out = batch["src"], batch["tgt_in"], batch["tgt_out"]
         tgt_mask = nn.Transformer.generate_square_subsequent_mask(tgt_in.size(1))
         logits = model(src, tgt_in, tgt_mask, src == pad, tgt_in == pad)
@@ -84,20 +78,21 @@ def run_baseline(model, batches, pad, warmup):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        tokens += real_tokens(batch, pad)
-    return tokens / (time.perf_counter() - start)
+    return step
 
 
-def run_dsmt(trainer, batches, pad, warmup):
-    """dsmt's own training step (global-token loss, engine.backward/step) fed the given batches."""
-    trainer.stream = iter(batches)
-    tokens, start = 0, None
-    for i, batch in enumerate(batches):
-        if i == warmup:
-            tokens, start = 0, time.perf_counter()
+def dsmt_step(trainer):
+    """dsmt's own training step (loss over the global batch's tokens, engine.backward/step) fed the given batch."""
+    def step(batch):
+        trainer.stream = iter([batch])
         trainer.train_step()
-        tokens += real_tokens(batch, pad)
-    return tokens / (time.perf_counter() - start)
+    return step
+
+
+def matmul_step(a, b):
+    def step(_):
+        a @ b
+    return step
 
 
 def padding(batches, pad):
@@ -106,43 +101,24 @@ def padding(batches, pad):
     return 1 - real / total
 
 
-def config_overrides(args, out):
-    return [f"data.dir={args.data}", f"train.output_dir={out}", "train.resume=none", f"train.threads={args.threads}",
-            "train.precision=fp32", "train.deepspeed_config=ds_configs/zero0.json"]
+def load_batches(args, data, count):
+    bucketed = [data.collate(b) for b in epoch_batches(data.src_lens, data.tgt_lens, args.max_tokens, 1, 0)[:count]]
+    order = np.random.default_rng(1).permutation(len(data))
+    tutorial = [data.collate(order[i:i + args.tutorial_batch])
+                for i in range(0, count * args.tutorial_batch, args.tutorial_batch)]
+    return bucketed, tutorial
 
 
-def worker(args) -> dict:
-    """One trainer in this process: its tokens/s, and what the table needs about its batches."""
-    trainer_kind, batching, _ = TRAINERS[args.worker]
-    torch.set_num_threads(args.threads)
-    # The tutorials' float causal mask beside a bool padding mask: PyTorch warns, and it is what they do.
-    warnings.filterwarnings("ignore", message="Support for mismatched key_padding_mask")
-    with tempfile.TemporaryDirectory() as out:
-        cfg = load_config(overrides=config_overrides(args, out))
-        fill_model_config(cfg, load_meta(args.data), args.data)
-        m, pad = cfg.model, cfg.model.pad_id
-        data = ParallelData(args.data, "train")
-        count = args.warmup + args.steps
-        if batching == "bucketed":
-            batches = [data.collate(b) for b in epoch_batches(data.src_lens, data.tgt_lens, args.max_tokens, 1, 0)[:count]]
-        else:
-            order = np.random.default_rng(1).permutation(len(data))
-            batches = [data.collate(order[i:i + args.tutorial_batch])
-                       for i in range(0, count * args.tutorial_batch, args.tutorial_batch)]
-        torch.manual_seed(1)
-        if trainer_kind == "dsmt":
-            trainer = Trainer(cfg)  # sets dsmt's threads and allocator itself
-            speed, parameters = run_dsmt(trainer, batches, pad, args.warmup), trainer.engine.module.parameters()
-        else:
-            if args.worker == "baseline_keep_freed_memory":
-                keep_freed_memory()
-            model = TutorialTransformer(m.vocab_size, m.d_model, m.n_heads, m.n_encoder_layers, m.d_ff, m.dropout, pad)
-            speed, parameters = run_baseline(model, batches, pad, args.warmup), model.parameters()
-        timed, counts = batches[args.warmup:], parameter_counts(Transformer(m))
-        flops = sum(step_flops(m, counts, b["src"].size(0), b["src"].size(1), b["tgt_in"].size(1)) for b in timed)
-        return {"tokens_per_s": speed, "padding": padding(batches, pad),
-                "flops_per_real_token": flops / sum(real_tokens(b, pad) for b in timed),
-                "parameters": sum(p.numel() for p in parameters), "model": OmegaConf.to_container(m)}
+def take_turns(steps: dict, batches: dict, warmup: int, count: int) -> dict[str, list[float]]:
+    """Seconds of each timed step per runner; runners go in turn, in rotating order, one step each."""
+    names, seconds = list(steps), {name: [] for name in steps}
+    for i in range(count):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            start = time.perf_counter()
+            steps[name](batches[name][i])
+            if i >= warmup:
+                seconds[name].append(time.perf_counter() - start)
+    return seconds
 
 
 def main():
@@ -150,44 +126,54 @@ def main():
     parser.add_argument("--data", default="data/multi30k_en_de")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=4096)
     parser.add_argument("--tutorial-batch", type=int, default=128, help="sentences per tutorial-style batch")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--worker", choices=TRAINERS, help=argparse.SUPPRESS)  # one trainer, in a child process
     args = parser.parse_args()
-    if args.worker:
-        print(json.dumps(worker(args)))
-        return
+    # The tutorials' float causal mask beside a bool padding mask: PyTorch warns, and it is what they do.
+    warnings.filterwarnings("ignore", message="Support for mismatched key_padding_mask")
+    count = args.warmup + args.steps
+    with tempfile.TemporaryDirectory() as out:
+        cfg = load_config(overrides=[f"data.dir={args.data}", f"train.output_dir={out}", "train.resume=none",
+                                     f"train.threads={args.threads}", "train.precision=fp32",
+                                     "train.deepspeed_config=ds_configs/zero0.json"])
+        fill_model_config(cfg, load_meta(args.data), args.data)
+        m, pad = cfg.model, cfg.model.pad_id
+        bucketed, tutorial = load_batches(args, ParallelData(args.data, "train"), count)
+        torch.manual_seed(1)
+        trainer = Trainer(cfg)  # sets threads and the allocator for this whole process
+        baseline = lambda: TutorialTransformer(m.vocab_size, m.d_model, m.n_heads, m.n_encoder_layers,  # noqa: E731
+                                               m.d_ff, m.dropout, pad)
+        square = torch.randn(MATMUL_SIZE, MATMUL_SIZE)
+        steps = {"baseline": baseline_step(baseline(), pad), "baseline_tutorial": baseline_step(baseline(), pad),
+                 "dsmt": dsmt_step(trainer), "matmul": matmul_step(square, square)}
+        batches = {"baseline": bucketed, "baseline_tutorial": tutorial, "dsmt": bucketed, "matmul": [None] * count}
+        seconds = take_turns(steps, batches, args.warmup, count)
+        dsmt_parameters = sum(p.numel() for p in trainer.engine.module.parameters())
+    peak = 2 * MATMUL_SIZE ** 3 * len(seconds["matmul"]) / sum(seconds["matmul"])
+    counts = parameter_counts(Transformer(m))
+    ratios = sorted(b / d for b, d in zip(seconds["baseline"], seconds["dsmt"]))
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
 
-    results = {name: [] for name in TRAINERS}
-    for _ in range(args.rounds):
-        for name in TRAINERS:
-            command = [sys.executable, __file__, *sys.argv[1:], "--worker", name]
-            done = subprocess.run(command, capture_output=True, text=True)
-            if done.returncode:
-                raise SystemExit(f"{name} failed:\n{done.stderr[-2000:]}")
-            results[name].append(json.loads(done.stdout.splitlines()[-1]))
-            print(f"{name}: {results[name][-1]['tokens_per_s']:.0f} tokens/s", file=sys.stderr, flush=True)
-    torch.set_num_threads(args.threads)
-    peak = matmul_flops_per_s()
-
-    best = {name: max(runs, key=lambda r: r["tokens_per_s"]) for name, runs in results.items()}
-    m, base = best["dsmt"]["model"], best["baseline"]["tokens_per_s"]
-    print(f"model {m['d_model']}-d, {m['n_encoder_layers']}+{m['n_decoder_layers']} layers, d_ff {m['d_ff']}: "
-          f"dsmt {best['dsmt']['parameters'] / 1e6:.2f}M parameters, baseline {best['baseline']['parameters'] / 1e6:.2f}M; "
-          f"{args.threads} threads; {args.steps} timed steps, best of {args.rounds} rounds, each in its own process")
-    print(f"this CPU's fp32 matmul rate (2048², {args.threads} threads): {peak / 1e9:.0f} GFLOP/s")
+    print(f"model {m.d_model}-d, {m.n_encoder_layers}+{m.n_decoder_layers} layers, d_ff {m.d_ff}: "
+          f"{dsmt_parameters / 1e6:.2f}M parameters; {args.threads} threads; {args.steps} timed steps each, "
+          "taken in turns in one process")
+    print(f"this CPU's fp32 matmul rate ({MATMUL_SIZE}², {args.threads} threads, timed in the same turns): "
+          f"{peak / 1e9:.0f} GFLOP/s")
+    print(f"dsmt vs baseline, per step: median {quartiles[1]:.2f}×, middle half {quartiles[0]:.2f}-{quartiles[2]:.2f}×")
     print("| trainer | batches | padding | real src+tgt tokens/s | vs baseline on the same batches "
           "| model GFLOP/s (share of the matmul rate) |")
     print("| --- | --- | --- | --- | --- | --- |")
-    for name, (_, batching, description) in TRAINERS.items():
-        r = best[name]
-        batches = (f"bucketed, {args.max_tokens} tokens" if batching == "bucketed"
-                   else f"random order, {args.tutorial_batch} sentences")
-        flops = r["tokens_per_s"] * r["flops_per_real_token"]
-        print(f"| {description} | {batches} | {r['padding']:.1%} | {r['tokens_per_s']:.0f} | "
-              f"{r['tokens_per_s'] / base:.2f}× | {flops / 1e9:.0f} ({flops / peak:.0%}) |")
+    speed = {}
+    for name, description in TRAINERS.items():
+        timed = batches[name][args.warmup:]
+        speed[name] = sum(real_tokens(b, pad) for b in timed) / sum(seconds[name])
+        flops = sum(step_flops(m, counts, b["src"].size(0), b["src"].size(1), b["tgt_in"].size(1)) for b in timed)
+        flops /= sum(seconds[name])
+        kind = (f"bucketed, {args.max_tokens} tokens" if batches[name] is bucketed
+                else f"random order, {args.tutorial_batch} sentences")
+        print(f"| {description} | {kind} | {padding(batches[name], pad):.1%} | {speed[name]:.0f} | "
+              f"{speed[name] / speed['baseline']:.2f}× | {flops / 1e9:.0f} ({flops / peak:.0%}) |")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ from dsmt.data.batching import BatchStream, ParallelData, epoch_batches, shard
 from dsmt.data.prepare import load_meta
 from dsmt.decode import greedy
 from dsmt.engine import build_engine, close_distributed, gradient_bytes, init_distributed, partitioned_bytes, read_ds_config, zero_stage
-from dsmt.loss import label_smoothed_nll
 from dsmt.model import Transformer
 
 
@@ -159,8 +158,7 @@ class Trainer:
         scale = self.world * self.accumulation / tgt_tokens
         sums, grad_norm, applied = torch.zeros(2, dtype=torch.float64, device=self.engine.device), None, True
         for batch in micro:
-            logits = self.engine(batch["src"], batch["tgt_in"])
-            loss, nll = label_smoothed_nll(logits, batch["tgt_out"], self.cfg.train.label_smoothing, self.pad)
+            loss, nll = self.engine(batch["src"], batch["tgt_in"], batch["tgt_out"], self.cfg.train.label_smoothing)
             if faults.due("nan", self.step + 1, self.rank):
                 loss = loss * float("nan")
             self.engine.backward(loss * scale)
@@ -202,8 +200,7 @@ class Trainer:
         for k, indices in enumerate(shard(all_batches, self.rank, self.world)):
             batch = self._to_device(data.collate(indices))
             # Every rank runs every forward (ZeRO-3 gathers parameters collectively); shard()'s repeats don't count.
-            loss, nll = label_smoothed_nll(self.engine(batch["src"], batch["tgt_in"]), batch["tgt_out"],
-                                           self.cfg.train.label_smoothing, self.pad)
+            loss, nll = self.engine(batch["src"], batch["tgt_in"], batch["tgt_out"], self.cfg.train.label_smoothing)
             if self.rank + k * self.world < len(all_batches):
                 sums = [sums[0] + loss.item(), sums[1] + nll.item(), sums[2] + int((batch["tgt_out"] != self.pad).sum())]
             if ev.valid_bleu:

@@ -6,10 +6,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 from torch import nn
 
 from dsmt.config import ModelConfig, load_config
-from dsmt.model import Attention, Transformer, key_padding_mask
+from dsmt.model import Attention, Dropout, Transformer, key_padding_mask
 from dsmt.engine import free_port
 
 PAD = 0
@@ -143,7 +144,44 @@ def test_all_padding_rows_are_finite(model):
 def test_no_mask_argument_in_forward():
     import inspect
 
-    assert list(inspect.signature(Transformer.forward).parameters) == ["self", "src_tokens", "tgt_tokens"]
+    arguments = list(inspect.signature(Transformer.forward).parameters)
+    assert arguments[:3] == ["self", "src_tokens", "tgt_tokens"] and not any("mask" in a for a in arguments)
+
+
+def test_forward_with_targets_is_the_loss_of_its_logits(model):
+    """The training path (loss without all logits at once) gives the loss, and the parameter gradients,
+    of label-smoothed cross-entropy on the logits the plain forward returns."""
+    src, tgt = padded_batch(SRC_LENS, seed=3), padded_batch(TGT_LENS, seed=4)
+    tgt_in, targets = tgt[:, :-1], tgt[:, 1:]
+    loss, nll = model(src, tgt_in, targets, label_smoothing=0.1)
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    logits = model(src, tgt_in).flatten(0, 1)
+    expected = F.cross_entropy(logits, targets.flatten(), ignore_index=PAD, label_smoothing=0.1, reduction="sum")
+    expected.backward()
+    assert torch.allclose(loss, expected, rtol=1e-5)
+    assert torch.allclose(nll, F.cross_entropy(logits, targets.flatten(), ignore_index=PAD, reduction="sum"), rtol=1e-5)
+    assert all(torch.allclose(g, p.grad, atol=1e-5) for g, p in zip(grads, model.parameters()))
+
+
+@pytest.mark.parametrize("p", [0.1, 0.3])
+def test_dropout_rate_scale_gradient_and_seed(p):
+    x = torch.rand(500, 400) + 1.0  # never 0, so a zero output is a dropped element
+    x.requires_grad_()
+    dropout = Dropout(p)
+    torch.manual_seed(0)
+    y = dropout(x)
+    dropped = y == 0
+    assert abs(dropped.float().mean().item() - p) < 0.005
+    kept_scale = (y[~dropped] / x[~dropped]).detach()
+    assert torch.allclose(kept_scale, torch.full_like(kept_scale, 1 / (1 - p)), rtol=1e-4)
+    y.sum().backward()
+    assert torch.allclose(x.grad, torch.where(dropped, 0.0, 1 / (1 - p)), rtol=1e-4)
+    torch.manual_seed(0)
+    assert torch.equal(dropout(x), y)  # the mask comes from torch's generator: a reseeded run redraws it
+    assert not torch.equal(dropout(x), y)
+    assert torch.equal(dropout.eval()(x), x) and torch.equal(Dropout(0.0)(x), x)
 
 
 def test_data_parallel_wrapper_and_its_scatter(model):

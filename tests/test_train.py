@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import dsmt.loss
 from dsmt import DsmtError
 from dsmt.checkpoint import latest_tag, prune
 from dsmt.data.prepare import PrepareOptions, prepare
@@ -21,14 +22,43 @@ CPU = ("cpu", False, True)  # accelerator name, fp16 supported, bf16 supported
 
 # ---- units: loss, schedule, greedy, ds_config filling, pruning ---------------------------------------
 
-def test_label_smoothed_loss_equals_torch_cross_entropy():
+@pytest.mark.parametrize("chunk_logits", [7 * 11, 2 ** 23])  # several chunks with a remainder; one chunk
+def test_label_smoothed_loss_and_gradients_equal_torch_cross_entropy(monkeypatch, chunk_logits):
+    monkeypatch.setattr(dsmt.loss, "CHUNK_LOGITS", chunk_logits)
     torch.manual_seed(0)
-    logits, target = torch.randn(3, 5, 11), torch.randint(0, 11, (3, 5))
+    hidden, weight, target = torch.randn(3, 6, 4, dtype=torch.float64), torch.randn(11, 4, dtype=torch.float64), \
+        torch.randint(1, 11, (3, 6))
     target[0, 3:] = 0
-    loss, nll = label_smoothed_nll(logits, target, 0.1, pad_id=0)
-    flat = logits.flatten(0, 1), target.flatten()
-    assert torch.allclose(loss, F.cross_entropy(*flat, ignore_index=0, label_smoothing=0.1, reduction="sum"))
+    target[2, :] = 0
+    hidden.requires_grad_(), weight.requires_grad_()
+    loss, nll = label_smoothed_nll(hidden, weight, target, 0.1, pad_id=0)
+    (3 * loss).backward()
+    grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    flat = (hidden @ weight.t()).flatten(0, 1), target.flatten()
+    expected = F.cross_entropy(*flat, ignore_index=0, label_smoothing=0.1, reduction="sum")
+    (3 * expected).backward()
+    assert torch.allclose(loss, expected) and not nll.requires_grad
     assert torch.allclose(nll, F.cross_entropy(*flat, ignore_index=0, reduction="sum"))
+    assert torch.allclose(grads[0], hidden.grad) and torch.allclose(grads[1], weight.grad)
+    assert grads[0][2].abs().sum() == 0  # an all-padding row gets no gradient
+    with torch.no_grad():
+        assert torch.allclose(torch.stack(label_smoothed_nll(hidden, weight, target, 0.1, 0)), torch.stack([loss, nll]))
+
+
+def test_label_smoothed_loss_in_bf16_keeps_fp32_sums_and_bf16_gradients():
+    torch.manual_seed(0)
+    hidden, weight, target = torch.randn(40, 16), torch.randn(300, 16) * 0.3, torch.randint(1, 300, (40,))
+    low = [t.bfloat16().requires_grad_() for t in (hidden, weight)]
+    loss, nll = label_smoothed_nll(*low, target, 0.1, pad_id=0)
+    loss.backward()
+    exact = [t.bfloat16().double().requires_grad_() for t in (hidden, weight)]
+    expected, _ = label_smoothed_nll(*exact, target, 0.1, pad_id=0)
+    expected.backward()
+    assert loss.dtype == nll.dtype == torch.float32 and torch.allclose(loss.double(), expected, rtol=1e-2)
+    for got, want in zip(low, exact):
+        assert got.grad.dtype == torch.bfloat16
+        assert torch.allclose(got.grad.double(), want.grad, rtol=0.02, atol=0.02 * want.grad.abs().max().item())
 
 
 def test_inverse_sqrt_schedule():
