@@ -1,7 +1,7 @@
 """The training loop: get batches, forward, backward, step, log, maybe validate, maybe save.
 
-It knows the model only through its forward (logits, also for greedy validation) and its config;
-DeepSpeed only through the engine; data only through ``BatchStream``.
+It knows the model only through its forward (loss sums given the targets, logits for greedy validation)
+and its config; DeepSpeed only through the engine; data only through ``BatchStream``.
 """
 
 import ctypes
