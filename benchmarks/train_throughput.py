@@ -29,7 +29,7 @@ from torch import nn
 from dsmt.config import load_config
 from dsmt.data.batching import ParallelData, epoch_batches
 from dsmt.data.prepare import load_meta
-from dsmt.model import Transformer, sinusoidal_table
+from dsmt.model import sinusoidal_table
 from dsmt.train import Trainer, fill_model_config
 from flops import parameter_counts, step_flops
 
@@ -149,9 +149,9 @@ def main():
                  "dsmt": dsmt_step(trainer), "matmul": matmul_step(square, square)}
         batches = {"baseline": bucketed, "baseline_tutorial": tutorial, "dsmt": bucketed, "matmul": [None] * count}
         seconds = take_turns(steps, batches, args.warmup, count)
-        dsmt_parameters = sum(p.numel() for p in trainer.engine.module.parameters())
+        model = trainer.engine.module
+        dsmt_parameters, counts = sum(p.numel() for p in model.parameters()), parameter_counts(model)
     peak = 2 * MATMUL_SIZE ** 3 * len(seconds["matmul"]) / sum(seconds["matmul"])
-    counts = parameter_counts(Transformer(m))
     ratios = sorted(b / d for b, d in zip(seconds["baseline"], seconds["dsmt"]))
     quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
 
