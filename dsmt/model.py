@@ -28,6 +28,25 @@ def key_padding_mask(tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
     return keep[:, None, None, :]
 
 
+class InputProjection(nn.Linear):
+    """The concatenated query/key/value (or key/value) projections, with no bias on the keys.
+
+    A key bias adds the same amount to all of one query's scores, which softmax cancels: its gradient is
+    round-off, which Adam (eps 1e-9) turns into steps of the full learning rate in random directions, so
+    runs that differ only in summation order (ZeRO stages) drift apart. That part of the bias is masked
+    to zero in every forward, so its gradient is exactly zero and it never moves.
+    """
+
+    def __init__(self, d_model: int, parts: str):
+        super().__init__(d_model, len(parts) * d_model)
+        key = torch.zeros(len(parts), d_model, dtype=torch.bool)
+        key[parts.index("k")] = True
+        self.register_buffer("key_bias", key.flatten(), persistent=False)
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias.masked_fill(self.key_bias, 0.0))
+
+
 class Attention(nn.Module):
     """Multi-head attention through ``scaled_dot_product_attention`` (fused kernels on GPU)."""
 
@@ -38,10 +57,10 @@ class Attention(nn.Module):
         self.n_heads = n_heads
         self.dropout = dropout
         if self_attention:
-            self.qkv = nn.Linear(d_model, 3 * d_model)
+            self.qkv = InputProjection(d_model, "qkv")
         else:
             self.q = nn.Linear(d_model, d_model)
-            self.kv = nn.Linear(d_model, 2 * d_model)
+            self.kv = InputProjection(d_model, "kv")
         self.out = nn.Linear(d_model, d_model)
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:

@@ -130,6 +130,25 @@ def test_fused_attention_equals_reference():
                               atol=1e-5)
 
 
+def test_key_projections_have_no_bias(model):
+    """Softmax cancels a key bias, so its gradient is only round-off: it is kept at zero, and ignored if set."""
+    src, tgt = padded_batch(SRC_LENS, seed=3), padded_batch(TGT_LENS, seed=4)
+    model.train()
+    model(src, tgt).square().sum().backward()
+    projections = [m for m in model.modules() if hasattr(m, "key_bias")]
+    assert len(projections) == 6  # the self-attention qkv of every layer, the cross-attention kv of the decoder's
+    for projection in projections:
+        assert projection.key_bias.sum() == 32
+        assert projection.bias.grad[projection.key_bias].eq(0).all()
+        assert projection.bias.grad[~projection.key_bias].ne(0).all()
+    model.eval()
+    with torch.no_grad():
+        before = model(src, tgt)
+        for projection in projections:
+            projection.bias[projection.key_bias] = 1.0
+        assert torch.equal(model(src, tgt), before)
+
+
 def test_all_padding_rows_are_finite(model):
     eos = 3
     src = torch.tensor([[eos, PAD, PAD, PAD], [PAD, PAD, PAD, PAD], [5, 6, 7, eos]])
