@@ -16,7 +16,9 @@ def greedy(logits_of, batch_size: int, device, bos: int, eos: int, pad: int, max
     ys = torch.full((batch_size, 1), bos, dtype=torch.long, device=device)
     finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
     while not all_done(bool(finished.all())):  # a rank past its own max_len steps on, emitting padding
-        next_token = logits_of(ys)[:, -1].argmax(dim=-1).masked_fill(finished, pad)
+        logits = logits_of(ys)[:, -1]
+        logits[:, [pad, bos]] = float("-inf")  # as in beam search: the model sees padding only after a sentence
+        next_token = logits.argmax(dim=-1).masked_fill(finished, pad)
         ys = torch.cat([ys, next_token[:, None]], dim=1)
         finished |= next_token == eos
         if ys.size(1) > max_len:

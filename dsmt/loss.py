@@ -45,23 +45,35 @@ class _ChunkedLoss(torch.autograd.Function):
 
 def _chunked(hidden, weight, target, epsilon: float, gradients: bool):
     """Loss and nll sums; with ``gradients``, also d loss / d hidden and d loss / d weight. All in fp32 at least:
-    mixed-precision gradients are formed here before any loss scaling, so they must not underflow."""
+    mixed-precision gradients are formed here before any loss scaling, so they must not underflow.
+
+    Per row, with lse the log-sum-exp of the logits x: nll = lse - x[target], and the smoothed loss is
+    (1 - ε)·nll + ε·(lse - mean(x)). The chunk is passed over four times (max, subtract, exp, sum): mean(x) is
+    hidden · mean(weight), and the softmax's 1/sum and the gradient's -ε/V are applied on the small side of the
+    gradient matmuls, d logits = (exp - (1 - ε)·sum·onehot(target)) / sum - ε/V.
+    """
     vocab, exact = weight.size(0), torch.promote_types(weight.dtype, torch.float32)
     rows = max(1, CHUNK_LOGITS // vocab)
+    weight_mean = weight.to(exact).mean(0)
     loss = nll = torch.zeros((), dtype=exact, device=hidden.device)
     grad_hidden = torch.empty(hidden.shape, dtype=exact, device=hidden.device) if gradients else None
     grad_weight = torch.zeros(weight.shape, dtype=exact, device=weight.device) if gradients else None
     for start in range(0, hidden.size(0), rows):
         h, y = hidden[start:start + rows], target[start:start + rows, None]
-        lprobs = F.log_softmax((h @ weight.t()).to(exact), dim=-1)
-        chunk_nll = -lprobs.gather(1, y).sum()
+        logits = (h @ weight.t()).to(exact)
+        target_logit = logits.gather(1, y)
+        top = logits.amax(1, keepdim=True)
+        exp = logits.sub_(top).exp_()  # in place: the chunk's only buffer
+        total = exp.sum(1, keepdim=True)
+        lse = top + total.log()
+        chunk_nll = (lse - target_logit).sum()
         nll = nll + chunk_nll
-        loss = loss + (1.0 - epsilon) * chunk_nll - epsilon / vocab * lprobs.sum()
+        loss = loss + (1.0 - epsilon) * chunk_nll + epsilon * (lse.sum() - (h.to(exact) @ weight_mean).sum())
         if gradients:
-            # d loss / d logits = softmax - (1 - ε)·onehot(target) - ε/V, built in place over the log-probabilities.
-            grad_logits = lprobs.exp_().sub_(epsilon / vocab)
-            grad_logits.scatter_add_(1, y, grad_logits.new_full(y.shape, epsilon - 1.0))
-            grad_logits = grad_logits.to(weight.dtype)
-            grad_hidden[start:start + rows] = grad_logits @ weight
-            grad_weight += grad_logits.t() @ h
+            exp.scatter_add_(1, y, total * (epsilon - 1.0))
+            exp, inverse_total = exp.to(weight.dtype), 1.0 / total
+            grad_hidden[start:start + rows] = (exp @ weight) * inverse_total - epsilon * weight_mean
+            grad_weight += exp.t() @ (h * inverse_total).to(weight.dtype)
+    if gradients:
+        grad_weight.sub_(epsilon / vocab * hidden.sum(0, dtype=exact))
     return loss, nll, grad_hidden, grad_weight

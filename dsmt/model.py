@@ -5,7 +5,8 @@ and causality from the target length, on the inputs' own device, so any split of
 parallel wrapper (DataParallel, DDP, ZeRO) sees exactly the masks its own rows need.
 
 Sequences are right-padded. In the decoder, causality alone then hides target padding from every
-real position, so decoder self-attention needs no padding mask and takes SDPA's ``is_causal`` path.
+real position, so decoder self-attention needs no padding mask and takes SDPA's ``is_causal`` path,
+and the decoder's position-wise layers skip the padding altogether (``TokenRows``).
 """
 
 import math
@@ -26,6 +27,25 @@ def key_padding_mask(tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
     keep = tokens != pad_id
     keep = keep | ~keep.any(dim=1, keepdim=True)
     return keep[:, None, None, :]
+
+
+class TokenRows:
+    """The real tokens of a right-padded ``[B, T]`` batch as rows ``[N, ...]``, and back.
+
+    Position-wise layers (projections, feed-forward, norms, the loss) work on rows, so padding costs them
+    nothing; attention unpacks its projections to ``[B, T]`` for SDPA, with zeros at padding.
+    """
+
+    def __init__(self, tokens: torch.Tensor, pad_id: int):
+        keep = tokens.flatten() != pad_id
+        self.shape, self.real, self.padding = tokens.shape, keep.nonzero().squeeze(1), (~keep).nonzero().squeeze(1)
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        return x.flatten(0, 1).index_select(0, self.real)
+
+    def unpack(self, rows: torch.Tensor) -> torch.Tensor:
+        padded = rows.new_empty(self.shape.numel(), *rows.shape[1:]).index_fill_(0, self.padding, 0)
+        return padded.index_copy_(0, self.real, rows).unflatten(0, self.shape)
 
 
 class InputProjection(nn.Linear):
@@ -67,14 +87,16 @@ class Attention(nn.Module):
         batch, length, _ = x.shape
         return x.view(batch, length, self.n_heads, -1).transpose(1, 2)
 
-    def forward(self, x, memory=None, mask=None, causal=False, cache=None):
+    def forward(self, x, memory=None, mask=None, causal=False, cache=None, rows: TokenRows | None = None):
         """Self-attention when ``memory`` is None, else attention from ``x`` to ``memory``.
 
         ``cache`` (a dict owned by the decoding code) makes decoding incremental: self-attention appends
         this step's keys/values to it, cross-attention computes the memory's keys/values once.
+        With ``rows``, ``x`` and the output are the packed rows of the queries' batch.
         """
+        unpack = rows.unpack if rows is not None else lambda t: t
         if memory is None:
-            q, k, v = (self._heads(t) for t in self.qkv(x).chunk(3, dim=-1))
+            q, k, v = (self._heads(t) for t in unpack(self.qkv(x)).chunk(3, dim=-1))
             if cache is not None:
                 if "k" in cache:
                     if x.size(1) != 1:
@@ -84,7 +106,7 @@ class Attention(nn.Module):
                     k, v, causal = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2), False
                 cache["k"], cache["v"] = k, v
         else:
-            q = self._heads(self.q(x))
+            q = self._heads(unpack(self.q(x)))
             if cache is not None and "k" in cache:
                 k, v = cache["k"], cache["v"]
             else:
@@ -93,7 +115,8 @@ class Attention(nn.Module):
                     cache["k"], cache["v"] = k, v
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                              dropout_p=self.dropout if self.training else 0.0, is_causal=causal)
-        return self.out(out.transpose(1, 2).flatten(2))
+        out = out.transpose(1, 2).flatten(2)
+        return self.out(out if rows is None else rows.pack(out))
 
 
 class Dropout(nn.Dropout):
@@ -110,7 +133,10 @@ class Dropout(nn.Dropout):
             return super().forward(x)
         bits = torch.empty((x.numel() + 3) // 4, dtype=torch.int64).random_(-2 ** 63, 2 ** 63 - 1)
         keep = bits.view(torch.int16)[: x.numel()].view(x.shape) >= dropped - 2 ** 15
-        return x.mul(keep).mul_(2 ** 16 / (2 ** 16 - dropped))
+        # The mask carries the scale and x's dtype, so forward and backward are one multiply each (a bool
+        # mask would be converted to x's dtype in both, and the scale would be a pass of its own).
+        mask = torch.where(keep, x.new_tensor(2 ** 16 / (2 ** 16 - dropped)), x.new_tensor(0.0))
+        return x * mask
 
 
 class FeedForward(nn.Sequential):
@@ -153,10 +179,10 @@ class DecoderLayer(nn.Module):
         self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout)
         self.residuals = nn.ModuleList(Residual(cfg.d_model, cfg.dropout, cfg.norm_first) for _ in range(3))
 
-    def forward(self, x, memory, src_mask, cache=None):
+    def forward(self, x, memory, src_mask, cache=None, rows=None):
         self_cache, cross_cache = (None, None) if cache is None else (cache["self"], cache["cross"])
-        x = self.residuals[0](x, lambda h: self.self_attn(h, causal=True, cache=self_cache))
-        x = self.residuals[1](x, lambda h: self.cross_attn(h, memory, mask=src_mask, cache=cross_cache))
+        x = self.residuals[0](x, lambda h: self.self_attn(h, causal=True, cache=self_cache, rows=rows))
+        x = self.residuals[1](x, lambda h: self.cross_attn(h, memory, mask=src_mask, cache=cross_cache, rows=rows))
         return self.residuals[2](x, self.ffn)
 
 
@@ -260,9 +286,15 @@ class Transformer(nn.Module):
         src_mask = key_padding_mask(src_tokens, self.pad_id)
         start = cache[0]["self"]["k"].size(2) if cache and "k" in cache[0]["self"] else 0
         x = self._embed(self.tgt_embed, tgt_tokens, start)
+        # A whole target at once (no cache): its padding, hidden by causality, is skipped. Cached steps keep
+        # every row, so that each row's cache grows by one.
+        rows = TokenRows(tgt_tokens, self.pad_id) if cache is None else None
+        if rows is not None:
+            x, targets = rows.pack(x), targets if targets is None else rows.pack(targets)
         for i, layer in enumerate(self.decoder_layers):
-            x = layer(x, memory, src_mask, None if cache is None else cache[i])
-        return self.output(self.decoder_norm(x), targets, label_smoothing)
+            x = layer(x, memory, src_mask, None if cache is None else cache[i], rows)
+        out = self.output(self.decoder_norm(x), targets, label_smoothing)
+        return out if rows is None or targets is not None else rows.unpack(out)
 
     def forward(self, src_tokens: torch.Tensor, tgt_tokens: torch.Tensor, targets: torch.Tensor | None = None,
                 label_smoothing: float = 0.0):
