@@ -277,8 +277,9 @@ class Transformer(nn.Module):
     def decode(self, tgt_tokens: torch.Tensor, memory: torch.Tensor, src_tokens: torch.Tensor,
                cache: list[dict] | None = None, targets: torch.Tensor | None = None,
                label_smoothing: float = 0.0):
-        """``[B, T]`` target-side inputs, the memory of ``src_tokens`` → logits ``[B, T, vocab]``; given
-        ``targets`` ``[B, T]``, (label-smoothed loss, nll) summed over their non-pad positions instead.
+        """``[B, T]`` target-side inputs, the memory of ``src_tokens`` → logits ``[B, T, vocab]`` (zeros at
+        padding); given ``targets`` ``[B, T]``, (label-smoothed loss, nll) summed over their non-pad positions
+        instead.
 
         With a ``cache`` (from ``empty_cache``), ``tgt_tokens`` holds only the tokens after those already
         cached: the whole prefix on the first call, then one token per step.
