@@ -8,7 +8,6 @@ weight are formed during the forward, as Liger Kernel's fused linear cross-entro
 """
 
 import torch
-import torch.nn.functional as F
 
 CHUNK_LOGITS = 2 ** 23  # logits per chunk: 32 MB in fp32, about a CPU's last-level cache
 
