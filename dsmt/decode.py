@@ -3,6 +3,11 @@
 import torch
 
 
+def forbid_pad_and_bos(logits: torch.Tensor, pad: int, bos: int) -> None:
+    """Neither is ever a next token: padding only follows a finished sentence, BOS only starts one."""
+    logits[:, [pad, bos]] = float("-inf")
+
+
 @torch.no_grad()
 def greedy(logits_of, batch_size: int, device, bos: int, eos: int, pad: int, max_len: int,
            all_done=bool) -> list[list[int]]:
@@ -17,7 +22,7 @@ def greedy(logits_of, batch_size: int, device, bos: int, eos: int, pad: int, max
     finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
     while not all_done(bool(finished.all())):  # a rank past its own max_len steps on, emitting padding
         logits = logits_of(ys)[:, -1]
-        logits[:, [pad, bos]] = float("-inf")  # as in beam search: the model sees padding only after a sentence
+        forbid_pad_and_bos(logits, pad, bos)
         next_token = logits.argmax(dim=-1).masked_fill(finished, pad)
         ys = torch.cat([ys, next_token[:, None]], dim=1)
         finished |= next_token == eos
@@ -60,7 +65,7 @@ def beam_search(model, src: torch.Tensor, bos: int, eos: int, pad: int, beam: in
     for step in range(max_len):
         logits = model.decode(tokens[:, -1:], memory, src, cache) if use_cache else model.decode(tokens, memory, src)
         lprobs = torch.log_softmax(logits[:, -1].float(), dim=-1)
-        lprobs[:, [pad, bos]] = float("-inf")
+        forbid_pad_and_bos(lprobs, pad, bos)
         candidates = (scores[:, :, None] + lprobs.view(batch, beam, vocab)).view(batch, -1)
         top_scores, top_ids = (t.tolist() for t in candidates.topk(2 * beam, dim=1))  # ≥ beam are not EOS
         survivors = []

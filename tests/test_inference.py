@@ -1,4 +1,9 @@
+import os
+import pty
+import select
 import subprocess
+import termios
+import time
 
 import pytest
 import sacrebleu
@@ -142,6 +147,40 @@ def test_translate_keeps_lines_order_and_empty_lines(trained, tmp_path):
     # Order: each line translated alone gives the same output as in the batch.
     alone = dsmt("translate", "--checkpoint", str(root / "export_zero0"), stdin=lines[5] + "\n")
     assert alone.stdout.strip() == translated[5]
+
+
+def read_until(fd: int, text: str, timeout: float = 120.0) -> str:
+    """What a terminal shows until ``text`` appears (or the time runs out, failing with what was shown)."""
+    shown, deadline = "", time.monotonic() + timeout
+    while text not in shown:
+        remaining = deadline - time.monotonic()
+        assert remaining > 0 and select.select([fd], [], [], remaining)[0], f"no {text!r} in {shown!r}"
+        shown += os.read(fd, 4096).decode()
+    return shown
+
+
+def test_translate_answers_a_terminal_line_by_line(trained):
+    """On an interactive terminal each line is answered as soon as it is entered, before the next one or EOF."""
+    root, data = trained
+    lines = data.joinpath("test.en.txt").read_text().splitlines()[:2]
+    command = ["translate", "--checkpoint", str(root / "export_zero0")]
+    expected = dsmt(*command, stdin="\n".join(lines) + "\n").stdout.splitlines()
+    terminal, shell_side = pty.openpty()
+    settings = termios.tcgetattr(shell_side)
+    settings[3] &= ~termios.ECHO  # the terminal shows only what dsmt writes
+    termios.tcsetattr(shell_side, termios.TCSANOW, settings)
+    process = subprocess.Popen([PYTHON, "-m", "dsmt.cli", *command], stdin=shell_side, stdout=shell_side,
+                               stderr=subprocess.PIPE, env=run_env(), cwd=REPO)
+    os.close(shell_side)
+    try:
+        for line, translation in zip(lines, expected, strict=True):
+            os.write(terminal, (line + "\n").encode())
+            read_until(terminal, translation + "\r\n")
+        os.write(terminal, b"\x04")  # Ctrl-D on an empty line: end of input
+        assert process.wait(timeout=60) == 0, process.stderr.read().decode()[-2000:]
+    finally:
+        process.kill()
+        os.close(terminal)
 
 
 def test_nbest_output(trained):
