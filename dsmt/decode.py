@@ -34,6 +34,13 @@ def greedy(logits_of, batch_size: int, device, bos: int, eos: int, pad: int, max
     return hypotheses
 
 
+def cached_logits(model, src: torch.Tensor):
+    """``prefix -> logits`` for ``greedy`` that decodes incrementally: the memory of ``src`` is encoded once,
+    and each call runs the decoder on the prefix's newest token only, with the key/value cache."""
+    memory, cache = model.encode(src), model.empty_cache()
+    return lambda prefix: model.decode(prefix[:, -1:], memory, src, cache)
+
+
 def reorder_cache(cache: list[dict], order: torch.Tensor) -> None:
     """Make row i of every cached tensor the old row ``order[i]`` (beam search keeps the surviving beams)."""
     for layer in cache:

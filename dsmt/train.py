@@ -25,7 +25,7 @@ from tqdm import tqdm
 from dsmt import DsmtError, checkpoint, faults
 from dsmt.data.batching import BatchStream, ParallelData, epoch_batches, shard
 from dsmt.data.prepare import load_meta
-from dsmt.decode import greedy
+from dsmt.decode import cached_logits, greedy
 from dsmt.engine import build_engine, close_distributed, gradient_bytes, init_distributed, partitioned_bytes, read_ds_config, zero_stage
 from dsmt.model import Transformer
 
@@ -225,9 +225,7 @@ class Trainer:
         incrementally with its key/value cache."""
         if self.engine.zero_optimization_partition_weights():
             return lambda prefix: self.engine(src, prefix)
-        model = self.engine.module
-        memory, cache = model.encode(src), model.empty_cache()
-        return lambda prefix: model.decode(prefix[:, -1:], memory, src, cache)
+        return cached_logits(self.engine.module, src)
 
     # ---- logging and saving -------------------------------------------------------------------------
     def log(self, kind: str, metrics: dict) -> None:

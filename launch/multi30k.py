@@ -5,8 +5,8 @@
 
 Extra ``key=value`` arguments override ``launch/configs/multi30k_en_de.yaml``. After training, the candidates
 are the best-BLEU checkpoint and the averages of the last 1, 3 and 5 checkpoints; each is decoded on
-valid with beam 5, and the length penalty (0.6 to 2.2) is chosen on valid for the best one. Only that model and
-penalty translate test2016. The result (test sacreBLEU and chrF with signatures, the choices, minutes,
+valid with beam 5, and the length penalty (0.6 to 2.2) is chosen on valid for the best one. Only that
+model and penalty translate test2016. The result (test sacreBLEU and chrF with signatures, the choices, minutes,
 machine) is printed and written to OUTPUT_DIR/results.json.
 """
 

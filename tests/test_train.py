@@ -14,7 +14,7 @@ from dsmt import DsmtError
 from dsmt.checkpoint import latest_tag, load_model, prune
 from dsmt.data.batching import ParallelData, epoch_batches
 from dsmt.data.prepare import PrepareOptions, load_meta, prepare
-from dsmt.decode import greedy
+from dsmt.decode import cached_logits, greedy
 from dsmt.engine import fill_ds_config, free_port, inverse_sqrt, read_ds_config
 from dsmt.loss import label_smoothed_nll
 from tests.conftest import MULTI30K, PYTHON, REPO, run_env
@@ -218,10 +218,9 @@ def test_zero3_validation_equals_cached_decoding_of_its_weights(stage_runs):
     with torch.no_grad():
         for indices in epoch_batches(data.src_lens, data.tgt_lens, cfg.data.max_tokens, seed=0, epoch=0):
             src = data.collate(indices)["src"]
-            memory, cache = model.encode(src), model.empty_cache()
             max_len = int(cfg.eval.max_len_a * src.size(1) + cfg.eval.max_len_b)
-            found = greedy(lambda prefix: model.decode(prefix[:, -1:], memory, src, cache), len(indices), "cpu",
-                           sp.bos_id(), sp.eos_id(), sp.pad_id(), max_len)
+            found = greedy(cached_logits(model, src), len(indices), "cpu", sp.bos_id(), sp.eos_id(), sp.pad_id(),
+                           max_len)
             hypotheses.update(zip(map(int, indices), found))
     references = (Path(cfg.data.dir) / f"valid.{load_meta(cfg.data.dir)['tgt']}.txt").read_text().splitlines()
     text = [sp.decode(hypotheses[i]) for i in range(len(data))]
