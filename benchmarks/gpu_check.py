@@ -5,14 +5,12 @@ utilization (FLOPs as in benchmarks/flops.py) and peak memory. On a CPU it runs 
 """
 
 import argparse
-import json
-import tempfile
 import time
 
 import torch
 
 from dsmt.config import load_config
-from dsmt.engine import build_engine, close_distributed, init_distributed, read_ds_config
+from dsmt.engine import build_engine, close_distributed, init_distributed
 from dsmt.model import Transformer
 from flops import parameter_counts, step_flops
 
@@ -33,19 +31,14 @@ def main():
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # from the deepspeed launcher
     args = parser.parse_args()
 
-    with tempfile.NamedTemporaryFile("w", suffix=".json") as ds_file:
-        ds = read_ds_config(args.deepspeed_config)
-        ds["optimizer"]["params"]["torch_adam"] = True  # torch's fused-foreach Adam: nothing to compile
-        json.dump(ds, ds_file)
-        ds_file.flush()
-        cfg = load_config(overrides=[f"model.preset={args.preset}", f"model.vocab_size={args.vocab}",
-                                     f"train.deepspeed_config={ds_file.name}", f"train.precision={args.precision}",
-                                     "train.warmup_steps=1000", "model.dropout=0.1"])
-        _, world, _ = init_distributed()
-        torch.manual_seed(0)
-        model = Transformer(cfg.model)
-        params = parameter_counts(model)
-        engine, _ = build_engine(model, cfg, world)
+    cfg = load_config(overrides=[f"model.preset={args.preset}", f"model.vocab_size={args.vocab}",
+                                 f"train.deepspeed_config={args.deepspeed_config}", f"train.precision={args.precision}",
+                                 "train.warmup_steps=1000", "model.dropout=0.1"])
+    _, world, _ = init_distributed(cfg.train.dist_timeout_minutes)
+    torch.manual_seed(0)
+    model = Transformer(cfg.model)
+    params = parameter_counts(model)
+    engine, _ = build_engine(model, cfg, world)  # torch_adam "auto": PyTorch's fused Adam, nothing to compile
     device = engine.device
     shape = (args.batch, args.length)
     src = torch.randint(4, args.vocab, shape, device=device)

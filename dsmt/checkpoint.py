@@ -8,9 +8,12 @@ best valid BLEU); ``OUTPUT_DIR/universal/step<N>/`` when a job resumes on anothe
 import contextlib
 import os
 import re
+import secrets
 import shutil
+import socket
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -97,6 +100,56 @@ def save(engine, output_dir: str, step: int, client_state: dict, keep_last: int,
     dist.barrier()
 
 
+def check_output_dir(output_dir: str) -> None:
+    """Every rank must see one and the same ``output_dir``, and be able to write to it: rank 0 alone writes
+    ``latest`` and prunes, while every rank writes its part of each checkpoint and reads ``latest`` to resume.
+    With node-local folders the nodes would resume from different steps and hang. Rank 0 writes a random
+    token there; after a barrier every other rank reads it and writes a file of its own. All ranks then fail
+    with the same line if any could not, before any work."""
+    folder, rank = Path(output_dir), dist.get_rank()
+    token = [secrets.token_hex(8)]
+    dist.broadcast_object_list(token, src=0)
+    probe = folder / f".dsmt-probe-{token[0]}"
+    problem = _probe(folder, probe, token[0], rank) if rank == 0 else None
+    dist.barrier()
+    if rank != 0:
+        problem = _probe(folder, probe, token[0], rank)
+    reports = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, (socket.gethostname(), output_dir, problem))
+    dist.barrier()
+    if rank == 0 and not problem:
+        probe.unlink(missing_ok=True)
+    failed = [(r, host, path, why) for r, (host, path, why) in enumerate(reports) if why]
+    if not failed:
+        return
+    r, host, path, why = failed[0]
+    if r == 0:
+        raise DsmtError(f"train.output_dir={path} does not work for rank 0 on {host}: {why}; choose a folder "
+                        "that can be created and written")
+    raise DsmtError(f"train.output_dir={path} does not work for rank {r} on {host}: {why}; every rank must "
+                    f"write to the one folder rank 0 uses ({reports[0][1]}), on a filesystem all nodes share, "
+                    f"since rank 0 alone writes `latest` and every rank resumes from it ({len(failed)} of "
+                    f"{len(reports)} ranks failed)")
+
+
+def _probe(folder: Path, probe: Path, token: str, rank: int) -> str | None:
+    """Rank 0 creates ``probe``; any other rank reads it back and writes a file of its own. None, or what failed."""
+    try:
+        if rank == 0:
+            folder.mkdir(parents=True, exist_ok=True)
+            probe.write_text(token)
+            return None
+        if probe.read_text() != token:
+            return f"{probe} holds another job's token"
+        own = probe.with_name(f"{probe.name}-rank{rank}")
+        own.write_text(token)
+        own.unlink()
+    except OSError as e:
+        verb = "cannot write there" if rank == 0 else "does not see the file rank 0 wrote there, or cannot write"
+        return f"it {verb} ({e.strerror or e}: {e.filename})"
+    return None
+
+
 def resume_source(output_dir: str, mode: str) -> Path | None:
     """The tag folder to resume from per ``train.resume``: 'auto' (what ``latest`` names, if anything),
     'none', or a step<N> folder."""
@@ -150,17 +203,27 @@ def zero_layout(states: dict) -> tuple[int, int]:
 
 def to_universal(tag_dir: Path, output_dir: str) -> Path:
     """DeepSpeed's universal checkpoint of ``tag_dir`` (``ds_to_universal``, run once on rank 0), which a
-    job with any number of ranks and any ZeRO stage ≥ 1 loads with its optimizer state."""
+    job with any number of ranks and any ZeRO stage ≥ 1 loads with its optimizer state. The other ranks wait
+    for it in a group of their own without a practical timeout: converting a big model can take longer than
+    ``train.dist_timeout_minutes``. A failure is the same one line on every rank."""
     target = Path(output_dir) / "universal" / tag_dir.name
+    patient = dist.new_group(backend="gloo", timeout=timedelta(days=1))
+    outcome = [None]
     if dist.get_rank() == 0 and not target.is_dir():
         print(f"resume: converting {tag_dir} to a universal checkpoint in {target}", flush=True)
-        with staged_dir(target) as staging:
-            done = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                                   str(tag_dir), "--output_folder", str(staging), "--inject_missing_state"],
-                                  capture_output=True, text=True)
-            if done.returncode:
-                raise DsmtError(f"ds_to_universal failed on {tag_dir}: {done.stderr.strip().splitlines()[-1]}")
-    dist.barrier()
+        try:
+            with staged_dir(target) as staging:
+                done = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                                       str(tag_dir), "--output_folder", str(staging), "--inject_missing_state"],
+                                      capture_output=True, text=True)
+                if done.returncode:
+                    raise DsmtError(f"ds_to_universal failed on {tag_dir}: {done.stderr.strip().splitlines()[-1]}")
+        except DsmtError as e:
+            outcome = [str(e)]
+    dist.broadcast_object_list(outcome, src=0, group=patient)
+    dist.destroy_process_group(patient)
+    if outcome[0]:
+        raise DsmtError(outcome[0])
     return target
 
 
@@ -195,9 +258,11 @@ def model_states(tag_dir: Path) -> dict:
     return torch.load(files[0], map_location="cpu", weights_only=False)
 
 
-def _deepspeed_weights(tag_dir: Path, states: dict) -> dict:
+def _deepspeed_weights(tag_dir: Path, states: dict, model) -> dict:
+    """The fp32 weights of a DeepSpeed checkpoint of ``model``: the master weights the optimizer steps, never
+    the bf16/fp16 copies the forward ran with."""
     if zero_layout(states)[0] == 0:
-        return states["module"]
+        return _zero0_weights(tag_dir, states, model)
     # ZeRO-1/2/3 keep the fp32 master weights partitioned in the optimizer states: DeepSpeed's zero_to_fp32
     # puts them back together. It reports on stdout, where `dsmt translate` writes translations.
     with contextlib.redirect_stdout(sys.stderr):
@@ -209,6 +274,29 @@ def _deepspeed_weights(tag_dir: Path, states: dict) -> dict:
             raise DsmtError(f"{tag_dir}: the ZeRO shards are incomplete ({e}); use another checkpoint") from None
 
 
+def _zero0_weights(tag_dir: Path, states: dict, model) -> dict:
+    """ZeRO-0 saves the module in its training dtype; with bf16/fp16, DeepSpeed's mixed-precision optimizer
+    keeps the fp32 masters in its own state, as lists (``fp32_groups``) or flat buffers (``fp32_groups_flat``)
+    in the order of the parameters handed to ``deepspeed.initialize``: the model's, tied ones once."""
+    weights = states["module"]
+    if all(t.dtype == torch.float32 for t in weights.values()):
+        return weights
+    optimizer = states.get("optimizer") or {}
+    params = list(model.parameters())
+    if "fp32_groups" in optimizer:
+        masters = [t for group in optimizer["fp32_groups"] for t in group]
+    elif "fp32_groups_flat" in optimizer:
+        flat = torch.cat([t.flatten() for t in optimizer["fp32_groups_flat"]])
+        masters = list(flat.split([p.numel() for p in params])) if flat.numel() == sum(p.numel() for p in params) else []
+    else:
+        masters = []
+    if len(masters) != len(params) or any(m.numel() != p.numel() for m, p in zip(masters, params)):
+        raise DsmtError(f"{tag_dir}: a {next(iter(weights.values())).dtype} ZeRO-0 checkpoint without fp32 master "
+                        "weights that fit the model; export a checkpoint written by dsmt train")
+    master_of = {id(p): m.view(p.shape) for p, m in zip(params, masters)}
+    return {**weights, **{name: master_of[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}}
+
+
 def load_model(path: str):
     """(model in eval mode, model config, {"src", "tgt"} sentencepiece model paths) from a MODEL_DIR or a DeepSpeed checkpoint."""
     folder = Path(path)
@@ -216,6 +304,7 @@ def load_model(path: str):
         raise DsmtError(f"checkpoint {path} does not exist")
     if (folder / MODEL_FILE).is_file():
         model_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(folder / CONFIG_FILE))
+        model = Transformer(model_cfg)
         weights = torch.load(folder / MODEL_FILE, map_location="cpu")
         spm_paths = {side: folder / name for side, name in SPM_FILES.items()}
     else:
@@ -223,8 +312,8 @@ def load_model(path: str):
         states = model_states(tag_dir)
         require_dsmt_states(tag_dir, states)
         model_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), states["config"]["model"])
-        weights, spm_paths = _deepspeed_weights(tag_dir, states), {k: Path(v) for k, v in states["spm"].items()}
-    model = Transformer(model_cfg)
+        model = Transformer(model_cfg)
+        weights, spm_paths = _deepspeed_weights(tag_dir, states, model), {k: Path(v) for k, v in states["spm"].items()}
     # Tied weights may be stored once (DeepSpeed issue 1896: zero_to_fp32 dropped them); tying restores them.
     tied = {name for name, p in model.named_parameters(remove_duplicate=False)} - dict(model.named_parameters()).keys()
     try:

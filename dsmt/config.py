@@ -73,6 +73,8 @@ class TrainConfig:
     max_skips_in_a_row: int = 10  # steps with a non-finite loss/gradient (bf16/fp32) before the run stops
     resume: str = "auto"  # auto | none | a checkpoint directory
     threads: int = 0  # torch threads per rank; 0: the cores divided among this node's ranks
+    dist_timeout_minutes: float = 30.0  # a collective waiting longer than this fails with the step it was in
+    deterministic: bool = False  # deterministic kernels only (GPUs: slower; CPU runs are deterministic anyway)
 
 
 @dataclass

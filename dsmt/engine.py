@@ -7,10 +7,14 @@ data loader and each micro-batch is one token-bounded batch (``data.max_tokens``
 """
 
 import copy
+import ctypes
 import json
 import os
 import re
+import signal
 import socket
+import sys
+from datetime import timedelta
 from pathlib import Path
 
 from dsmt import DsmtError
@@ -64,6 +68,9 @@ def resolve_precision(requested: str, ds: dict, path: str, caps) -> str:
 def fill_ds_config(ds: dict, train_cfg, world_size: int, path: str, caps) -> dict:
     """A copy of ``ds`` with every "auto" filled, or a clear error on a contradiction."""
     ds = copy.deepcopy(ds)
+    stage = zero_stage(ds)
+    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+        raise DsmtError(f"{path}: zero_optimization.stage={stage!r}; it must be 0, 1, 2 or 3 (see ds_configs/)")
     micro = ds.setdefault("train_micro_batch_size_per_gpu", AUTO)
     if micro not in (AUTO, 1):
         raise DsmtError(f'{path}: train_micro_batch_size_per_gpu={micro}; it must be 1 or "auto": dsmt batches by '
@@ -82,19 +89,41 @@ def fill_ds_config(ds: dict, train_cfg, world_size: int, path: str, caps) -> dic
     params = ds.get("optimizer", {}).get("params", {})
     if params.get("lr") == AUTO:
         params["lr"] = train_cfg.lr
-    if params.get("torch_adam") == AUTO:  # DeepSpeed's FusedAdam needs a compiled kernel; torch's Adam does not
-        params["torch_adam"] = caps[0] == "cpu"
-        if params["torch_adam"]:  # torch's fused CPU kernel: one pass per tensor instead of a dozen
-            params.setdefault("fused", True)
+    if params.get("torch_adam") == AUTO:
+        # DeepSpeed's own FusedAdam is built with nvcc at first use, which pip-only installs lack; PyTorch's
+        # Adam ships a fused kernel for CUDA and CPU alike (one pass per tensor instead of a dozen).
+        params["torch_adam"] = True
+        params.setdefault("fused", True)
 
     precision = resolve_precision(train_cfg.precision, ds, path, caps)
     for kind in ("fp16", "bf16"):
         ds.setdefault(kind, {})["enabled"] = kind == precision
+    _fill_gradient_dtypes(ds, precision, path)
     ds.setdefault("steps_per_print", 10 ** 9)  # dsmt logs itself
     leftover = [key for key, value in _walk(ds) if value == AUTO]
     if leftover:
         raise DsmtError(f"{path}: dsmt cannot fill \"auto\" for {leftover}; give them values")
     return ds
+
+
+def _fill_gradient_dtypes(ds: dict, precision: str, path: str) -> None:
+    """"auto" gradient accumulation and communication dtypes. With bf16, DeepSpeed would accumulate and
+    all-reduce gradients in bf16 (8 bits of mantissa: summing 8 ranks' or 4 micro-batches' gradients loses
+    the small ones); dsmt all-reduces in fp32 at every stage and accumulates in fp32 at ZeRO-2/3. ZeRO-0 has
+    no fp32-accumulating bf16 optimizer in DeepSpeed 0.19, and ZeRO-1's (BF16_Optimizer) writes checkpoints
+    that ``zero_to_fp32`` cannot consolidate, so those two accumulate in bf16 (exact with one micro-batch per
+    step). fp16 keeps DeepSpeed's defaults, which its loss scaling is made for."""
+    stage = zero_stage(ds)
+    accumulate = {"fp32": "fp32", "bf16": "fp32" if stage >= 2 else "bf16", "fp16": "fp16"}[precision]
+    communicate = {"fp32": "fp32", "bf16": "fp32", "fp16": "fp16"}[precision]
+    if ds.get("communication_data_type") == AUTO:
+        ds["communication_data_type"] = communicate
+    types = ds.get("data_types", {})
+    if types.get("grad_accum_dtype") == AUTO:
+        types["grad_accum_dtype"] = accumulate
+    if types.get("grad_accum_dtype") == "fp32" and precision == "bf16" and stage == 0:
+        raise DsmtError(f'{path}: data_types.grad_accum_dtype=fp32 with bf16 needs ZeRO stage >= 1 in DeepSpeed; '
+                        'use "auto" or a zero1/zero2/zero3 config')
 
 
 HOSTFILE_LINE = re.compile(r"^(\S+)\s+slots=(\d+)$")
@@ -136,18 +165,42 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed() -> tuple[int, int, int]:
-    """Join the job the launcher (deepspeed, torchrun) describes, or become a world of one; (rank, world, local world)."""
+def init_distributed(timeout_minutes: float) -> tuple[int, int, int]:
+    """Join the job the launcher (deepspeed, torchrun) describes, or become a world of one; (rank, world, local
+    world). A collective that waits longer than ``timeout_minutes`` fails instead of hanging."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    if "WORLD_SIZE" not in os.environ:  # plain `python launch/train.py`: no launcher, no MPI
+    if "WORLD_SIZE" in os.environ:
+        follow_launcher()
+    else:  # plain `python launch/train.py`: no launcher, no MPI
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                               timeout=timedelta(minutes=timeout_minutes))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     _unlink_shm_buffer(rank)
-    return rank, world, int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return rank, world, local_world_size(os.environ, world)
+
+
+def local_world_size(env, world: int) -> int:
+    """Ranks on this node: torchrun says LOCAL_WORLD_SIZE, DeepSpeed's launcher LOCAL_SIZE."""
+    return int(env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE") or world)
+
+
+def follow_launcher() -> None:
+    """Have the kernel send this rank SIGTERM when the process that started it dies (Linux).
+
+    A launcher killed with SIGKILL (OOM killer, scheduler, user) cannot stop its ranks, which would run on
+    holding the master port and the GPUs. SIGTERM takes the trainer's pre-emption path: finish the step,
+    save, exit. If the launcher died before this was armed, act on it at once."""
+    if not sys.platform.startswith("linux"):
+        return
+    launcher = os.getppid()
+    pr_set_pdeathsig = 1  # from linux/prctl.h
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != launcher:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _unlink_shm_buffer(rank: int) -> None:
@@ -202,6 +255,15 @@ def build_engine(model, cfg, world_size: int, load_universal: bool = False):
         # One data-parallel rank has nothing to average, but DeepSpeed would still flatten every gradient for it.
         engine.enable_backward_allreduce = False
     return engine, ds
+
+
+def optimizer_description(engine) -> str:
+    """Which optimizer DeepSpeed built, e.g. ``torch.optim.adamw.AdamW (fused) in DeepSpeed's DeepSpeedZeroOptimizer``."""
+    basic, outer = engine.basic_optimizer, engine.optimizer
+    text = f"{type(basic).__module__}.{type(basic).__name__}"
+    if getattr(basic, "defaults", {}).get("fused"):
+        text += " (fused)"
+    return text if outer is basic else f"{text} in DeepSpeed's {type(outer).__name__}"
 
 
 def partitioned_bytes(engine) -> dict[str, int]:

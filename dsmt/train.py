@@ -26,7 +26,8 @@ from dsmt import DsmtError, checkpoint, faults
 from dsmt.data.batching import BatchStream, ParallelData, epoch_batches, shard
 from dsmt.data.prepare import load_meta
 from dsmt.decode import cached_logits, greedy
-from dsmt.engine import build_engine, close_distributed, gradient_bytes, init_distributed, partitioned_bytes, read_ds_config, zero_stage
+from dsmt.engine import (build_engine, close_distributed, gradient_bytes, init_distributed, optimizer_description,
+                         partitioned_bytes, read_ds_config, zero_stage)
 from dsmt.model import Transformer
 
 
@@ -58,6 +59,14 @@ def keep_freed_memory() -> None:
     mallopt(m_trim_threshold, 2 ** 31 - 1)  # and the heap's free top is never returned
 
 
+def use_deterministic_kernels(enabled: bool) -> None:
+    """``train.deterministic``: PyTorch picks deterministic kernels (and raises on an op that has none), and
+    cuBLAS gets the fixed workspace it needs for reproducible results (set before CUDA starts)."""
+    if enabled:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+
+
 def fill_model_config(cfg, meta: dict, data_dir: str) -> None:
     """Vocabulary sizes and the pad id come from the data directory, never from the user."""
     vocab = meta["vocab_size"]
@@ -72,9 +81,12 @@ def fill_model_config(cfg, meta: dict, data_dir: str) -> None:
 class Trainer:
     def __init__(self, cfg):
         self.cfg = cfg
-        self.rank, self.world, local_world = init_distributed()
+        self.activity = "start-up"  # what this rank is doing, for the message when a collective times out
+        use_deterministic_kernels(cfg.train.deterministic)
+        self.rank, self.world, local_world = init_distributed(cfg.train.dist_timeout_minutes)
         torch.set_num_threads(cfg.train.threads or max(1, (os.cpu_count() or 1) // local_world))
         keep_freed_memory()
+        checkpoint.check_output_dir(cfg.train.output_dir)
         meta = load_meta(cfg.data.dir)
         fill_model_config(cfg, meta, cfg.data.dir)
         self.pad, self.bos, self.eos = (meta["specials"][k] for k in ("pad", "bos", "eos"))
@@ -90,6 +102,8 @@ class Trainer:
         source, universal = self._resume_source()
         torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
         self.engine, ds_config = build_engine(Transformer(cfg.model), cfg, self.world, load_universal=universal)
+        if self.rank == 0:
+            print(f"optimizer: {optimizer_description(self.engine)}", flush=True)
         self.accumulation = ds_config["gradient_accumulation_steps"]
         self.precision = next((k for k in ("fp16", "bf16") if ds_config[k]["enabled"]), "fp32")
         self.stream = BatchStream(self.train_data, cfg.data.max_tokens, cfg.train.seed, self.rank, self.world)
@@ -148,7 +162,9 @@ class Trainer:
 
     # ---- one optimizer step -----------------------------------------------------------------------
     def train_step(self) -> dict:
+        self.activity = f"training step {self.step + 1}"
         faults.trigger("kill", self.step + 1, self.rank)
+        faults.trigger("hang", self.step + 1, self.rank)
         torch.manual_seed(step_seed(self.cfg.train.seed, self.step, self.rank))
         micro = [self._to_device(next(self.stream)) for _ in range(self.accumulation)]
         src_tokens, tgt_tokens = self._sum([sum(int((b["src"] != self.pad).sum()) for b in micro),
@@ -193,6 +209,7 @@ class Trainer:
     @torch.no_grad()
     def validate(self) -> dict:
         """Valid loss, and BLEU of greedy output; every rank decodes its shard and runs the model in lockstep."""
+        self.activity = f"validation after step {self.step}"
         self.engine.eval()
         data, ev = self.valid_data, self.cfg.eval
         all_batches = epoch_batches(data.src_lens, data.tgt_lens, self.cfg.data.max_tokens, seed=0, epoch=0)
@@ -238,6 +255,7 @@ class Trainer:
         tqdm.write(f"{kind} step {self.step}: " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
 
     def save(self, best: bool) -> None:
+        self.activity = f"saving the checkpoint of step {self.step}"
         # Not "skipped_steps": DeepSpeed keeps its own count under that key.
         client_state = {"step": self.step, "data": self.stream.state_dict(), "best_bleu": self.best_bleu,
                         "train_minutes": self.minutes(), "non_finite_steps": self.skipped_steps,
@@ -251,6 +269,7 @@ class Trainer:
     def _stop_reason(self) -> str | None:
         """A signal on any rank, or ``train.max_minutes`` by rank 0's clock; one collective per step, so that
         every rank stops after the same step."""
+        self.activity = f"agreeing whether to stop after step {self.step}"
         limit = self.cfg.train.max_minutes
         out_of_time = self.rank == 0 and limit > 0 and self.minutes() >= limit
         signalled, late = self._sum([float(self.stop_signal is not None), float(out_of_time)])
@@ -279,6 +298,8 @@ class Trainer:
         progress = tqdm(total=self.cfg.train.max_steps, initial=self.step, disable=self.rank != 0 or None, unit="step")
         try:
             stop = self._loop(progress)
+        except RuntimeError as e:  # how Gloo and NCCL report a collective that failed
+            raise self._collective_failure(e) from None
         finally:  # also on an error: the process ends without finalization (dsmt.cli), so close what buffers
             progress.close()
             if self.rank == 0:
@@ -287,6 +308,18 @@ class Trainer:
         if stop == "signal" and self.rank == 0:
             tqdm.write(f"stopped by {self.stop_signal or 'a signal to another rank'} after step {self.step}; "
                        f"checkpoint saved, resume with train.resume=auto")
+
+    def _collective_failure(self, error: RuntimeError) -> Exception:
+        """A timed-out collective, or a peer that is gone, as one line naming what this rank was doing."""
+        text = str(error).lower()
+        if "timed out" in text:
+            return DsmtError(f"rank {self.rank} waited longer than train.dist_timeout_minutes="
+                             f"{self.cfg.train.dist_timeout_minutes} in a collective during {self.activity}; another "
+                             f"rank is stuck, see its log ({str(error).strip().splitlines()[0][:160]})")
+        if "connection closed" in text or "connection reset" in text:
+            return DsmtError(f"rank {self.rank} lost its connection to another rank during {self.activity}: that "
+                             "rank ended, see its error")
+        return error
 
     def _loop(self, progress) -> str | None:
         """Train until max_steps, the time budget or a signal; returns the stop reason (None: max_steps)."""

@@ -22,6 +22,7 @@ from tests.training import kill_after, losses, records, train, train_command
 
 DS_CONFIGS = sorted((REPO / "ds_configs").glob("*.json"))
 CPU = ("cpu", False, True)  # accelerator name, fp16 supported, bf16 supported
+CUDA = ("cuda", True, True)
 
 
 # ---- units: loss, schedule, greedy, ds_config filling, pruning ---------------------------------------
@@ -85,10 +86,10 @@ def test_greedy_follows_argmax_and_stops_at_eos():
     assert greedy(logits_of, 2, "cpu", bos=2, eos=3, pad=0, max_len=1) == [[5], [8]]
 
 
-def fill(ds, world=2, **train):
+def fill(ds, world=2, caps=CPU, **train):
     from dsmt.config import TrainConfig
 
-    return fill_ds_config(ds, TrainConfig(**train), world, "x.json", CPU)
+    return fill_ds_config(ds, TrainConfig(**train), world, "x.json", caps)
 
 
 def test_ds_config_autos_are_filled():
@@ -99,6 +100,28 @@ def test_ds_config_autos_are_filled():
     assert ds["optimizer"]["params"]["torch_adam"] is True and ds["optimizer"]["params"]["fused"] is True  # on CPU
 
 
+def test_cuda_gets_torchs_fused_adam_not_a_kernel_built_with_nvcc():
+    ds = fill(read_ds_config(REPO / "ds_configs" / "zero2.json"), caps=CUDA)
+    assert ds["optimizer"]["params"]["torch_adam"] is True and ds["optimizer"]["params"]["fused"] is True
+    assert ds["bf16"]["enabled"] is True  # precision auto on a bf16 GPU
+
+
+@pytest.mark.parametrize("stage, accumulate", [(0, "bf16"), (1, "bf16"), (2, "fp32"), (3, "fp32")])
+def test_bf16_gradients_are_all_reduced_in_fp32_and_accumulated_in_fp32_where_deepspeed_can(stage, accumulate):
+    for caps in (CPU, CUDA):
+        ds = fill(read_ds_config(REPO / "ds_configs" / f"zero{stage}.json"), precision="bf16", caps=caps)
+        assert ds["communication_data_type"] == "fp32"
+        assert ds["data_types"]["grad_accum_dtype"] == accumulate
+    ds = fill(read_ds_config(REPO / "ds_configs" / f"zero{stage}.json"), precision="fp32")
+    assert ds["communication_data_type"] == "fp32" and ds["data_types"]["grad_accum_dtype"] == "fp32"
+
+
+def test_fp32_accumulation_of_bf16_at_zero0_is_refused_clearly():
+    ds = read_ds_config(REPO / "ds_configs" / "zero0.json") | {"data_types": {"grad_accum_dtype": "fp32"}}
+    with pytest.raises(DsmtError, match="grad_accum_dtype=fp32 with bf16 needs ZeRO stage >= 1"):
+        fill(ds, precision="bf16")
+
+
 @pytest.mark.parametrize("ds, train, words", [
     ({"train_batch_size": 8, "gradient_accumulation_steps": 2}, {}, ["train_batch_size=8", "1 × 2 × 2 = 4"]),
     ({"train_micro_batch_size_per_gpu": 16}, {}, ["train_micro_batch_size_per_gpu=16", "tokens"]),
@@ -107,6 +130,7 @@ def test_ds_config_autos_are_filled():
     ({"bf16": {"enabled": True}}, {"precision": "fp32"}, ["bf16", "train.precision=fp32"]),
     ({}, {"precision": "half"}, ["train.precision='half'"]),
     ({"zero_optimization": {"stage": "auto"}}, {}, ["zero_optimization.stage"]),
+    ({"zero_optimization": {"stage": 4}}, {}, ["x.json", "zero_optimization.stage=4", "0, 1, 2 or 3"]),
 ])
 def test_ds_config_contradictions_are_refused(ds, train, words):
     with pytest.raises(DsmtError) as error:
@@ -296,6 +320,28 @@ def test_resume_after_kill_continues_identically(toy_data, tmp_path):
     assert [resumed[s]["loss"] for s in range(11, 21)] == [expected[s]["loss"] for s in range(11, 21)]
 
 
+@pytest.mark.slow
+def test_bf16_trains_and_exports_the_fp32_master_weights(toy_data, tmp_path):
+    """bf16 at ZeRO-0 (one rank) and ZeRO-2 (two ranks, accumulating 2 micro-batches in fp32) learns; the
+    ZeRO-0 export holds the optimizer's fp32 masters, not the bf16 weights the forward ran with."""
+    from dsmt.checkpoint import model_states
+
+    common = ("train.max_steps=12", "train.precision=bf16", "eval.valid_bleu=false", "train.valid_interval=100")
+    runs = {"zero0": tmp_path / "zero0", "zero2": tmp_path / "zero2"}
+    train(toy_data, runs["zero0"], *common)
+    train(toy_data, runs["zero2"], *common, "train.grad_accum=2", ranks=2, ds="ds_configs/zero2.json")
+    for out in runs.values():
+        assert losses(out)[-1] < losses(out)[0] - 0.5, losses(out)
+
+    model, _, _ = load_model(str(runs["zero0"]))
+    states = model_states(runs["zero0"] / "checkpoints" / "step12")
+    masters = dict(zip((name for name, _ in model.named_parameters()), states["optimizer"]["fp32_groups"][0]))
+    exported = model.state_dict()
+    assert all(torch.equal(exported[name], master) for name, master in masters.items())
+    assert all(torch.equal(exported[name].bfloat16(), weight) for name, weight in states["module"].items())
+    assert any(not torch.equal(w, w.bfloat16().float()) for w in exported.values())  # finer than bf16
+
+
 def test_every_ds_config_initializes_on_cpu(toy_data, tmp_path):
     """Each JSON in ds_configs/ builds an engine and takes a step, in fp32 and in bf16 (one process)."""
     script = f"""
@@ -303,7 +349,7 @@ import json, sys, torch
 from dsmt.config import load_config
 from dsmt.engine import build_engine, close_distributed, init_distributed
 from dsmt.model import Transformer
-init_distributed()
+init_distributed(timeout_minutes=30)
 for path in {[str(p) for p in DS_CONFIGS]!r}:
     for precision in ("fp32", "bf16"):
         cfg = load_config(overrides=["model.vocab_size=50", "model.d_model=32", "model.n_heads=2", "model.d_ff=64",

@@ -26,6 +26,9 @@ class ParallelData:
         self.pad, self.bos, self.eos = (meta["specials"][k] for k in ("pad", "bos", "eos"))
         self.src_ids, self.src_offsets = self._load(folder, f"{split}.{meta['src']}")
         self.tgt_ids, self.tgt_offsets = self._load(folder, f"{split}.{meta['tgt']}")
+        if len(self.src_offsets) < 2:
+            raise DsmtError(f"{data_dir}: split {split!r} holds no sentence pair; prepare the data again with a "
+                            "non-empty file for it")
         self.src_lens = np.diff(self.src_offsets) + 1  # + EOS
         self.tgt_lens = np.diff(self.tgt_offsets) + 1  # + BOS on the input side, + EOS on the output side
 
@@ -79,10 +82,13 @@ def epoch_batches(src_lens, tgt_lens, max_tokens: int, seed: int, epoch: int) ->
 
 
 def shard(batches: list, rank: int, world_size: int) -> list:
-    """This rank's batches. The list is first padded to a multiple of ``world_size`` by repeating its first
-    batches, so every rank gets the same count; those few pairs are then seen twice in the epoch."""
-    padded = batches + batches[: -len(batches) % world_size]
-    return padded[rank::world_size]
+    """This rank's batches. The list is first padded cyclically to a multiple of ``world_size`` (its first
+    batches again, as many times as it takes when there are fewer batches than ranks), so every rank gets
+    the same number, at least one: a rank without a batch would miss the collectives the others enter."""
+    if not batches:
+        raise ValueError("no batches to shard")
+    per_rank = -(-len(batches) // world_size)
+    return [batches[i % len(batches)] for i in range(rank, per_rank * world_size, world_size)]
 
 
 class BatchStream:
