@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 from dsmt import DsmtError, faults
 from dsmt.config import ModelConfig
 from dsmt.engine import zero_stage
-from dsmt.files import staged_dir
+from dsmt.files import Product, check_replaceable, staged_dir
 from dsmt.model import Transformer
 
 TAG = re.compile(r"^step(\d+)$")
@@ -124,18 +124,28 @@ def check_output_dir(output_dir: str) -> None:
         return
     r, host, path, why = failed[0]
     if r == 0:
-        raise DsmtError(f"train.output_dir={path} does not work for rank 0 on {host}: {why}; choose a folder "
-                        "that can be created and written")
+        raise DsmtError(f"train.output_dir={path} does not work for rank 0 on {host}: {why}; choose a new or "
+                        "empty folder that can be written, or the output dir of an earlier dsmt run")
     raise DsmtError(f"train.output_dir={path} does not work for rank {r} on {host}: {why}; every rank must "
                     f"write to the one folder rank 0 uses ({reports[0][1]}), on a filesystem all nodes share, "
                     f"since rank 0 alone writes `latest` and every rank resumes from it ({len(failed)} of "
                     f"{len(reports)} ranks failed)")
 
 
+TRAIN_LOG = "train_log.jsonl"  # what dsmt train writes first, before any step: the log it appends to
+
+
+def is_run_dir(folder: Path) -> bool:
+    return (folder / TRAIN_LOG).is_file()
+
+
 def _probe(folder: Path, probe: Path, token: str, rank: int) -> str | None:
     """Rank 0 creates ``probe``; any other rank reads it back and writes a file of its own. None, or what failed."""
     try:
         if rank == 0:
+            if folder.is_dir() and not is_run_dir(folder) and any(
+                    not p.name.startswith(".dsmt-probe-") for p in folder.iterdir()):
+                return "it holds files but is not the output dir of a dsmt run (no train_log.jsonl)"
             folder.mkdir(parents=True, exist_ok=True)
             probe.write_text(token)
             return None
@@ -212,7 +222,7 @@ def to_universal(tag_dir: Path, output_dir: str) -> Path:
     if dist.get_rank() == 0 and not target.is_dir():
         print(f"resume: converting {tag_dir} to a universal checkpoint in {target}", flush=True)
         try:
-            with staged_dir(target) as staging:
+            with staged_dir(target, None) as staging:
                 done = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
                                        str(tag_dir), "--output_folder", str(staging), "--inject_missing_state"],
                                       capture_output=True, text=True)
@@ -240,6 +250,9 @@ def load(engine, tag_dir: Path) -> dict:
 
 MODEL_FILE, CONFIG_FILE = "model.pt", "config.yaml"
 SPM_FILES = {"src": "spm.src.model", "tgt": "spm.tgt.model"}
+MODEL_DIR = Product("a model dir written by dsmt export or average",
+                    lambda folder: {MODEL_FILE, CONFIG_FILE, *SPM_FILES.values()}
+                    if (folder / MODEL_FILE).is_file() and (folder / CONFIG_FILE).is_file() else None)
 
 
 def _tag_dir(path: Path) -> Path:
@@ -330,7 +343,7 @@ def load_model(path: str):
 
 
 def write_model_dir(out: str, state_dict: dict, model_cfg, spm_paths: dict) -> None:
-    with staged_dir(Path(out)) as staging:
+    with staged_dir(Path(out), MODEL_DIR) as staging:
         torch.save(state_dict, staging / MODEL_FILE)
         (staging / CONFIG_FILE).write_text(OmegaConf.to_yaml(model_cfg))
         for side, name in SPM_FILES.items():
@@ -338,12 +351,14 @@ def write_model_dir(out: str, state_dict: dict, model_cfg, spm_paths: dict) -> N
 
 
 def export(checkpoint: str, out: str) -> None:
+    check_replaceable(Path(out), MODEL_DIR, "--out")
     model, model_cfg, spm_paths = load_model(checkpoint)
     write_model_dir(out, model.state_dict(), model_cfg, spm_paths)
 
 
 def average(checkpoints: list[str], out: str) -> None:
     """Parameter averaging of several checkpoints of one model (fairseq's practice)."""
+    check_replaceable(Path(out), MODEL_DIR, "--out")
     loaded = [load_model(path) for path in checkpoints]
     model, model_cfg, spm_paths = loaded[0]
     states = [m.state_dict() for m, _, _ in loaded]

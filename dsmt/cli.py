@@ -58,14 +58,21 @@ def _translator(args):
 
 
 def _translate(args) -> None:
+    from dsmt.files import check_input_file, check_output_file
     from dsmt.translate import translate_stream
 
+    check_input_file(args.input, "--input")
+    check_output_file(args.output, "--output")
     translate_stream(_translator(args), args.input, args.output)
 
 
 def _evaluate(args) -> None:
+    from dsmt.files import check_input_file, check_output_file
     from dsmt.translate import evaluate
 
+    check_input_file(args.src, "--src")
+    check_input_file(args.ref, "--ref")
+    check_output_file(args.hypotheses, "--hypotheses")
     scores = evaluate(_translator(args), args.src, args.ref, args.hypotheses)
     print(scores["bleu_line"])
     print(scores["chrf_line"])
@@ -100,7 +107,7 @@ def _prepare(args) -> None:
     from dsmt.data.corpora import multi30k_prefixes, write_toy_corpus
     from dsmt.data.prepare import PrepareOptions, prepare
 
-    vocab_size = args.vocab_size or (300 if args.corpus == "toy" else 8000)
+    vocab_size = args.vocab_size if args.vocab_size is not None else 300 if args.corpus == "toy" else 8000
     options = PrepareOptions(src=args.src, tgt=args.tgt, vocab_size=vocab_size, joint=not args.separate_vocab,
                              model_type=args.model_type, max_len=args.max_len, max_ratio=args.max_ratio)
     if args.corpus == "multi30k":
@@ -113,7 +120,12 @@ def _prepare(args) -> None:
             raise DsmtError("dsmt prepare needs --train PREFIX and --valid PREFIX (or a built-in corpus: multi30k, toy)")
         splits = {"train": args.train, "valid": args.valid}
         for prefix in args.test:
-            splits[Path(prefix).name] = prefix
+            name = Path(prefix).name
+            if name in splits:
+                raise DsmtError(f"--test {prefix}: its split would be named {name!r} (the file name before "
+                                f".{args.src}), like the split from {splits[name]}; rename its files, e.g. to "
+                                f"test.{args.src}/test.{args.tgt}")
+            splits[name] = prefix
         prepare(splits, args.out, options)
 
 

@@ -16,24 +16,29 @@ from omegaconf.errors import OmegaConfBaseException
 from dsmt import DsmtError
 
 
+def ranged(default, low=None, high=None, *, low_open=False, high_open=False, choices=None):
+    """A field whose value must lie in the interval (or be one of ``choices``); checked when a config loads."""
+    return field(default=default, metadata={"range": (low, high, low_open, high_open), "choices": choices})
+
+
 @dataclass
 class ModelConfig:
     preset: str = "small"
-    vocab_size: int = 8000  # filled from the data directory at train time
-    pad_id: int = 0  # likewise
-    d_model: int = 256
-    n_heads: int = 4
-    n_encoder_layers: int = 3
-    n_decoder_layers: int = 3
-    d_ff: int = 1024
-    dropout: float = 0.1
-    attention_dropout: float = 0.0
-    activation_dropout: float = 0.0
+    vocab_size: int = ranged(8000, 1)  # filled from the data directory at train time
+    pad_id: int = ranged(0, 0)  # likewise
+    d_model: int = ranged(256, 2)
+    n_heads: int = ranged(4, 1)
+    n_encoder_layers: int = ranged(3, 1)
+    n_decoder_layers: int = ranged(3, 1)
+    d_ff: int = ranged(1024, 1)
+    dropout: float = ranged(0.1, 0.0, 1.0, high_open=True)
+    attention_dropout: float = ranged(0.0, 0.0, 1.0, high_open=True)
+    activation_dropout: float = ranged(0.0, 0.0, 1.0, high_open=True)
     norm_first: bool = True
     share_embeddings: bool = True
-    positions: str = "sinusoidal"  # or "learned"
-    max_positions: int = 1024
-    src_vocab_size: int = 0  # 0: the same as vocab_size (one joint vocabulary)
+    positions: str = ranged("sinusoidal", choices=("sinusoidal", "learned"))
+    max_positions: int = ranged(1024, 1)
+    src_vocab_size: int = ranged(0, 0)  # 0: the same as vocab_size (one joint vocabulary)
 
 
 # Preset values sit between the dataclass defaults and the user's YAML/CLI, which may override any of them.
@@ -50,7 +55,7 @@ MODEL_PRESETS = {
 @dataclass
 class DataConfig:
     dir: str = "data/toy"  # a `dsmt prepare` output
-    max_tokens: int = 4096  # per micro-batch, padded source and padded target each
+    max_tokens: int = ranged(4096, 1)  # per micro-batch, padded source and padded target each
     valid_split: str = "valid"
 
 
@@ -58,29 +63,31 @@ class DataConfig:
 class TrainConfig:
     output_dir: str = "runs/toy"
     deepspeed_config: str = "ds_configs/zero0.json"
-    precision: str = "auto"  # auto | fp32 | bf16 | fp16: fills "enabled": "auto" in the ds_config
-    max_steps: int = 1000
-    max_minutes: float = 0.0  # stop (validate, save) after this much wall-clock training time; 0: no limit
-    seed: int = 1
-    lr: float = 1e-3  # peak, reached at the end of warmup
-    warmup_steps: int = 1000
-    grad_accum: int = 1  # fills gradient_accumulation_steps: "auto"
-    label_smoothing: float = 0.1
-    log_interval: int = 50
-    valid_interval: int = 500
-    save_interval: int = 500
-    keep_last: int = 3
-    max_skips_in_a_row: int = 10  # steps with a non-finite loss/gradient (bf16/fp32) before the run stops
+    # auto | fp32 | bf16 | fp16: fills "enabled": "auto" in the ds_config
+    precision: str = ranged("auto", choices=("auto", "fp32", "bf16", "fp16"))
+    max_steps: int = ranged(1000, 1)
+    max_minutes: float = ranged(0.0, 0.0)  # stop (validate, save) after this much wall-clock training time; 0: no limit
+    seed: int = ranged(1, 0)
+    lr: float = ranged(1e-3, 0.0)  # peak, reached at the end of warmup
+    warmup_steps: int = ranged(1000, 1)
+    grad_accum: int = ranged(1, 1)  # fills gradient_accumulation_steps: "auto"
+    label_smoothing: float = ranged(0.1, 0.0, 1.0, high_open=True)
+    log_interval: int = ranged(50, 1)
+    valid_interval: int = ranged(500, 1)
+    save_interval: int = ranged(500, 1)
+    keep_last: int = ranged(3, 1)
+    max_skips_in_a_row: int = ranged(10, 1)  # steps with a non-finite loss/gradient (bf16/fp32) before the run stops
     resume: str = "auto"  # auto | none | a checkpoint directory
-    threads: int = 0  # torch threads per rank; 0: the cores divided among this node's ranks
-    dist_timeout_minutes: float = 30.0  # a collective waiting longer than this fails with the step it was in
+    threads: int = ranged(0, 0)  # torch threads per rank; 0: the cores divided among this node's ranks
+    # a collective waiting longer than this fails with the step it was in
+    dist_timeout_minutes: float = ranged(30.0, 0.0, low_open=True)
     deterministic: bool = False  # deterministic kernels only (GPUs: slower; CPU runs are deterministic anyway)
 
 
 @dataclass
 class EvalConfig:
-    max_len_a: float = 1.2  # hypotheses stop at a * source length + b tokens
-    max_len_b: int = 10
+    max_len_a: float = ranged(1.2, 0.0)  # hypotheses stop at a * source length + b tokens
+    max_len_b: int = ranged(10, 0)
     valid_bleu: bool = True  # greedy-decode the valid set at each validation
 
 
@@ -90,6 +97,38 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+def _interval(low, high, low_open, high_open) -> str:
+    return f"{'(' if low_open else '['}{'-inf' if low is None else low}, {'inf' if high is None else high}" \
+           f"{')' if high_open or high is None else ']'}"
+
+
+def _out_of_range(value, low, high, low_open, high_open) -> bool:
+    return (low is not None and (value < low or low_open and value == low)) or \
+           (high is not None and (value > high or high_open and value == high))
+
+
+def check_values(cfg: DictConfig) -> None:
+    """Every value within its field's range or choices, and the few rules that tie keys together."""
+    for key in _schema_keys(Config):
+        spec = _field(key).metadata
+        if "range" not in spec:
+            continue
+        value = OmegaConf.select(cfg, key)
+        if spec["choices"] is not None:
+            if value not in spec["choices"]:
+                raise DsmtError(f"config key '{key}'={value!r}; choose one of {list(spec['choices'])}")
+        elif _out_of_range(value, *spec["range"]):
+            raise DsmtError(f"config key '{key}'={value!r} is out of range; allowed: {_interval(*spec['range'])}")
+    model = cfg.model
+    if model.d_model % model.n_heads:
+        raise DsmtError(f"config key 'model.n_heads'={model.n_heads} does not divide model.d_model={model.d_model}; "
+                        "each head gets d_model / n_heads dimensions")
+    if model.positions == "sinusoidal" and model.d_model % 2:
+        raise DsmtError(f"config key 'model.d_model'={model.d_model} is odd; sinusoidal positions need an even width")
+    if cfg.eval.max_len_a == 0 and cfg.eval.max_len_b == 0:
+        raise DsmtError("config keys 'eval.max_len_a'=0 and 'eval.max_len_b'=0 leave no room for any output token")
 
 
 def _schema_keys(schema, prefix="") -> list[str]:
@@ -102,11 +141,16 @@ def _schema_keys(schema, prefix="") -> list[str]:
     return keys
 
 
-def _field_type(path: str):
-    schema = Config
+def _field(path: str) -> dataclasses.Field:
+    schema, found = Config, None
     for name in path.split("."):
-        schema = {f.name: f.type for f in dataclasses.fields(schema)}[name]
-    return schema
+        found = {f.name: f for f in dataclasses.fields(schema)}[name]
+        schema = found.type
+    return found
+
+
+def _field_type(path: str):
+    return _field(path).type
 
 
 def _user_keys(node, prefix="") -> list[str]:
@@ -188,4 +232,5 @@ def load_config(path: str | None = None, overrides=()) -> DictConfig:
             cfg = OmegaConf.merge(cfg, data)
         except OmegaConfBaseException as e:
             raise _value_error(e, data, source) from None
+    check_values(cfg)
     return cfg

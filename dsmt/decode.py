@@ -9,6 +9,11 @@ def forbid_pad_and_bos(logits: torch.Tensor, pad: int, bos: int) -> None:
 
 
 @torch.no_grad()
+def max_output_length(source_length: int, a: float, b: int, max_positions: int) -> int:
+    """Hypotheses stop at ``a`` × source length + ``b`` tokens, and never beyond the model's positions."""
+    return min(int(a * source_length + b), max_positions)
+
+
 def greedy(logits_of, batch_size: int, device, bos: int, eos: int, pad: int, max_len: int,
            all_done=bool) -> list[list[int]]:
     """Greedy hypotheses (ids without BOS/EOS) for a batch.

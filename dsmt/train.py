@@ -25,7 +25,7 @@ from tqdm import tqdm
 from dsmt import DsmtError, checkpoint, faults
 from dsmt.data.batching import BatchStream, ParallelData, epoch_batches, shard
 from dsmt.data.prepare import load_meta
-from dsmt.decode import cached_logits, greedy
+from dsmt.decode import cached_logits, greedy, max_output_length
 from dsmt.engine import (build_engine, close_distributed, gradient_bytes, init_distributed, optimizer_description,
                          partitioned_bytes, read_ds_config, zero_stage)
 from dsmt.model import Transformer
@@ -78,6 +78,20 @@ def fill_model_config(cfg, meta: dict, data_dir: str) -> None:
                         "--separate-vocab; set model.share_embeddings=false")
 
 
+def check_lengths(data: ParallelData, split: str, cfg) -> None:
+    """Before step 1, not at the first validation: every pair of ``split`` fits a batch and the model."""
+    lengths = np.maximum(data.src_lens, data.tgt_lens)  # with EOS (source, target output) or BOS (target input)
+    index = int(lengths.argmax())
+    longest, where = int(lengths[index]), f"{cfg.data.dir}: pair {index + 1} of split {split!r}"
+    if split == "train":
+        advice = "raise {key} or prepare the data with a smaller --max-len"
+    else:
+        advice = f"evaluation splits are kept whole (line {index + 1} of its text): raise {{key}} to at least {longest}"
+    for key, limit in (("data.max_tokens", cfg.data.max_tokens), ("model.max_positions", cfg.model.max_positions)):
+        if longest > limit:
+            raise DsmtError(f"{where} has {longest} tokens, more than {key}={limit}; " + advice.format(key=key))
+
+
 class Trainer:
     def __init__(self, cfg):
         self.cfg = cfg
@@ -92,6 +106,8 @@ class Trainer:
         self.pad, self.bos, self.eos = (meta["specials"][k] for k in ("pad", "bos", "eos"))
         self.train_data = ParallelData(cfg.data.dir, "train")
         self.valid_data = ParallelData(cfg.data.dir, cfg.data.valid_split)
+        check_lengths(self.train_data, "train", cfg)
+        check_lengths(self.valid_data, cfg.data.valid_split, cfg)
         self.references = (Path(cfg.data.dir) / f"{cfg.data.valid_split}.{meta['tgt']}.txt").read_text().splitlines()
         self.spm_paths = {side: str(Path(cfg.data.dir) / meta["spm"][meta[side]]) for side in ("src", "tgt")}
         self.sp = spm.SentencePieceProcessor(model_file=self.spm_paths["tgt"])
@@ -122,7 +138,7 @@ class Trainer:
             out.mkdir(parents=True, exist_ok=True)
             (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
             self.writer = SummaryWriter(str(out / "tensorboard"), purge_step=self.step + 1 if state else None)
-            self.log_file = open(out / "train_log.jsonl", "a")
+            self.log_file = open(out / checkpoint.TRAIN_LOG, "a")
 
     def _resume_source(self) -> tuple:
         """(checkpoint to resume from or None, whether it is a universal one). A ZeRO checkpoint written by
@@ -221,7 +237,8 @@ class Trainer:
             if self.rank + k * self.world < len(all_batches):
                 sums = [sums[0] + loss.item(), sums[1] + nll.item(), sums[2] + int((batch["tgt_out"] != self.pad).sum())]
             if ev.valid_bleu:
-                max_len = int(ev.max_len_a * batch["src"].size(1) + ev.max_len_b)
+                max_len = max_output_length(batch["src"].size(1), ev.max_len_a, ev.max_len_b,
+                                            self.cfg.model.max_positions)
                 found = greedy(self._next_logits(batch["src"]), len(indices), self.engine.device,
                                self.bos, self.eos, self.pad, max_len, self._all_done)
                 hypotheses.update(zip(map(int, indices), found))

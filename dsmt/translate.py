@@ -12,7 +12,7 @@ from dsmt import DsmtError
 from dsmt.checkpoint import load_model
 from dsmt.data.batching import token_batches
 from dsmt.data.corpora import decode_lines
-from dsmt.decode import beam_search
+from dsmt.decode import beam_search, max_output_length
 
 
 class Translator:
@@ -20,6 +20,11 @@ class Translator:
                  max_len_b: int = 10, batch_tokens: int = 8000, use_cache: bool = True, nbest: int = 1):
         if beam < 1 or not 1 <= nbest <= beam:
             raise DsmtError(f"--beam {beam} --nbest {nbest}: need beam >= 1 and 1 <= nbest <= beam")
+        if max_len_a < 0 or max_len_b < 0 or max_len_a == 0 and max_len_b < 1:
+            raise DsmtError(f"--max-len-a {max_len_a} --max-len-b {max_len_b}: translations could hold no token; "
+                            "need a >= 0, b >= 0 and one of them > 0 (default: 1.2 and 10)")
+        if batch_tokens < 1:
+            raise DsmtError(f"--batch-tokens {batch_tokens}: must be at least 1")
         self.model, model_cfg, spm_paths = load_model(checkpoint)
         self.src_sp, self.sp = (spm.SentencePieceProcessor(model_file=str(spm_paths[side])) for side in ("src", "tgt"))
         for sp, size in ((self.src_sp, model_cfg.src_vocab_size or model_cfg.vocab_size), (self.sp, model_cfg.vocab_size)):
@@ -29,6 +34,21 @@ class Translator:
         self.pad, self.bos, self.eos = self.sp.pad_id(), self.sp.bos_id(), self.sp.eos_id()
         self.beam, self.lenpen, self.max_len_a, self.max_len_b = beam, lenpen, max_len_a, max_len_b
         self.batch_tokens, self.use_cache, self.nbest = batch_tokens, use_cache, nbest
+        self.max_positions = model_cfg.max_positions
+
+    def _source_ids(self, lines: list[str]) -> list[list[int]]:
+        """Subword ids + EOS per line (none for an empty line). A line longer than the model's positions is
+        cut to fit, with a warning naming it, so that the output still has one line per input line."""
+        ids = []
+        for number, line in enumerate(lines, 1):
+            pieces = self.src_sp.encode(line) if line.strip() else []
+            if len(pieces) >= self.max_positions:
+                print(f"dsmt: warning: input line {number} has {len(pieces)} subwords, more than the model's "
+                      f"{self.max_positions - 1} (max_positions); translating its first {self.max_positions - 1}",
+                      file=sys.stderr)
+                pieces = pieces[: self.max_positions - 1]
+            ids.append(pieces + [self.eos] if pieces else [])
+        return ids
 
     def translate(self, lines: list[str]) -> list[str]:
         """One translation per line, in order; an empty line stays empty."""
@@ -36,7 +56,7 @@ class Translator:
 
     def translate_nbest(self, lines: list[str]) -> list[list[tuple[float, str]]]:
         """Per line the ``nbest`` best (score, translation), best first; none for an empty line."""
-        ids = [self.src_sp.encode(line) + [self.eos] if line.strip() else [] for line in lines]
+        ids = self._source_ids(lines)
         todo = np.array([i for i, x in enumerate(ids) if x], dtype=np.int64)
         out = [[] for _ in lines]
         if not len(todo):
@@ -49,7 +69,7 @@ class Translator:
             src = torch.full((len(batch), int(lengths[batch].max())), self.pad, dtype=torch.long)
             for row, i in enumerate(batch):
                 src[row, : lengths[i]] = torch.tensor(ids[i])
-            max_len = int(self.max_len_a * src.size(1) + self.max_len_b)
+            max_len = max_output_length(src.size(1), self.max_len_a, self.max_len_b, self.max_positions)
             found = beam_search(self.model, src, self.bos, self.eos, self.pad, self.beam, self.lenpen, max_len,
                                 nbest=self.nbest, use_cache=self.use_cache)
             for i, hyps in zip(batch, found):

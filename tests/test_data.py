@@ -237,7 +237,7 @@ def test_refuses_to_overwrite_a_foreign_folder(tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "notes.txt").write_text("mine")
     result = cli_prepare(tmp_path, small_corpus(tmp_path), "--vocab-size", "50")
-    assert result.returncode == 2 and "not a dsmt data directory" in result.stderr
+    assert result.returncode == 2 and "is not a data directory written by dsmt prepare" in result.stderr
     assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
 
 
@@ -305,3 +305,29 @@ def test_multi30k_from_local_folder_cli(tmp_path):
                   "--vocab-size", "4000", "--out", str(tmp_path / "de_en"))
     assert result.returncode == 0, result.stderr
     assert ParallelData(str(tmp_path / "de_en"), "test2016").meta["src"] == "de"
+
+
+def test_byte_order_mark_is_not_text():
+    from dsmt.data.corpora import decode_lines
+
+    assert decode_lines([b"\xef\xbb\xbfEin Hund.\n", b"\xef\xbb\xbfzwei\n"], "x") == ["Ein Hund.", "\ufeffzwei"]
+
+
+def test_staging_folders_of_dead_processes_are_removed_and_others_kept(tmp_path):
+    import socket
+    import subprocess
+
+    from dsmt.files import Product, staged_dir
+
+    host = socket.gethostname()
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    dead, running, elsewhere = (tmp_path / f".out.tmp-{host}-{finished.pid}", tmp_path / f".out.old-{host}-1",
+                                tmp_path / ".out.tmp-otherhost-12")
+    for folder in (dead, running, elsewhere):
+        folder.mkdir()
+        (folder / "part").write_text("x")
+    with staged_dir(tmp_path / "out", Product("a test output", lambda folder: None)) as staging:
+        (staging / "done").write_text("y")
+    assert (tmp_path / "out" / "done").is_file()
+    assert not dead.exists() and running.exists() and elsewhere.exists()  # pid 1 lives; another host's is not ours

@@ -149,6 +149,24 @@ def test_translate_keeps_lines_order_and_empty_lines(trained, tmp_path):
     assert alone.stdout.strip() == translated[5]
 
 
+def test_a_line_longer_than_the_model_is_cut_with_a_warning_and_keeps_its_place(trained, tmp_path):
+    """A line of 3000 words cannot pass the model's 1024 positions: its start is translated, a warning names it,
+    and the output keeps one line per input line; a byte-order mark on the first line is not text."""
+    root, data = trained
+    lines = data.joinpath("test.en.txt").read_text().splitlines()[:2]
+    source = tmp_path / "in.txt"
+    source.write_bytes(b"\xef\xbb\xbf" + "\n".join([lines[0], " ".join(["red apples"] * 1500), lines[1]]).encode() + b"\n")
+    result = dsmt("translate", "--checkpoint", str(root / "export_zero0"), "--input", str(source), "--beam", "1",
+                  "--max-len-a", "0", "--max-len-b", "20")
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr and "warning: input line 2 has" in result.stderr
+    assert "translating its first 1023" in result.stderr
+    out = result.stdout.splitlines()
+    alone = dsmt("translate", "--checkpoint", str(root / "export_zero0"), "--beam", "1", "--max-len-a", "0",
+                 "--max-len-b", "20", stdin=f"{lines[0]}\n{lines[1]}\n").stdout.splitlines()
+    assert len(out) == 3 and out[1] and [out[0], out[2]] == alone
+
+
 def read_until(fd: int, text: str, timeout: float = 120.0) -> str:
     """What a terminal shows until ``text`` appears (or the time runs out, failing with what was shown)."""
     shown, deadline = "", time.monotonic() + timeout

@@ -130,6 +130,18 @@ def test_nodes_with_different_output_dirs_fail_at_start_on_every_rank(toy_data, 
 
 
 @pytest.mark.slow
+def test_an_output_dir_that_is_a_file_is_the_same_line_on_every_rank(toy_data, tmp_path):
+    users_file = tmp_path / "results.txt"
+    users_file.write_text("mine")
+    result = train(toy_data, users_file, "train.max_steps=5", *QUIET, ranks=3, check=False, timeout=300)
+    # Every rank reaches the same line; the launcher may end the others before they print theirs.
+    lines = error_lines(result.stdout + result.stderr)
+    assert result.returncode != 0 and lines and len(set(lines)) == 1, result.stdout[-3000:]
+    assert f"train.output_dir={users_file} does not work for rank 0" in lines[0] and "cannot write there" in lines[0]
+    assert "Traceback" not in result.stdout + result.stderr and users_file.read_text() == "mine"
+
+
+@pytest.mark.slow
 def test_a_stuck_rank_ends_the_job_with_the_step_it_hung_in(toy_data, tmp_path):
     """Rank 1 stops at the start of step 3 (DSMT_FAULT hang); rank 0's collective times out after
     train.dist_timeout_minutes and the job ends with a line naming the step, instead of hanging."""

@@ -231,6 +231,22 @@ def bad_inputs(tmp: Path, toy: Path, checkpointed: Path) -> dict:
     prepare = ["prepare", "--valid", tmp / "corpus" / "train", "--out", tmp / "data"]
     batch_json = write(tmp / "batch.json", ds.read_text().replace('"train_batch_size": "auto"', '"train_batch_size": 7'))
     bad_json = write(tmp / "bad.json", '{\n  "stage": 2,\n}')
+    stage7 = write(tmp / "stage7.json", ds.read_text().replace('"stage": 0', '"stage": 7'))
+    users_folder = write(tmp / "mine" / "notes.txt", "my notes").parent
+    users_file = write(tmp / "results.txt", "my results")
+    for name in ("model.pt", "config.yaml", "README"):  # an exported model dir, and a file the user added
+        write(tmp / "model_extra" / name, name)
+    for lang in ("en", "de"):
+        write(tmp / "small" / f"train.{lang}", "".join(f"the {lang} line {i} is short\n" for i in range(40)))
+        write(tmp / "small" / f"long.{lang}", " ".join(["word"] * 300) + "\n")
+        write(tmp / "small" / f"empty.{lang}", "")
+        write(tmp / "elsewhere" / f"train.{lang}", "other\n")
+    small = ["prepare", "--train", tmp / "small" / "train", "--vocab-size", "25"]
+    long_valid = small + ["--valid", tmp / "small" / "long", "--out", tmp / "long_valid", "&&", *run[:-2],
+                          f"data.dir={tmp / 'long_valid'}", f"train.output_dir={tmp / 'out'}", *TINY_MODEL]
+    translate = ["translate", "--checkpoint", checkpointed]
+    evaluate = ["evaluate", "--checkpoint", checkpointed, "--src", tmp / "small" / "train.en", "--ref",
+                tmp / "small" / "train.de"]
     return {
         "unknown config key": (run + ["model.d_modle=3"], ["unknown config key 'model.d_modle'", "did you mean 'model.d_model'"]),
         "wrong value type": (run + ["train.max_steps=many"], ["train.max_steps", "expects int", "'many'"]),
@@ -255,31 +271,92 @@ def bad_inputs(tmp: Path, toy: Path, checkpointed: Path) -> dict:
                                    ["bad.json:3:1: invalid JSON"]),
         "malformed hostfile": (["launch", "--hostfile", write(tmp / "hostfile", "localhost slots=1\nworker-2 slot=8\n"),
                                 "launch/train.py"], ["hostfile:2:", "'worker-2 slot=8'", "HOSTNAME slots=N"]),
+        # Nothing already written is replaced unless the verb wrote it.
+        "export over a user's folder": (["export", "--checkpoint", checkpointed, "--out", users_folder],
+                                        ["--out", "exists and is not a model dir", "replaces only what it wrote"]),
+        "export over the run itself": (["export", "--checkpoint", checkpointed, "--out", checkpointed],
+                                       [f"--out {checkpointed} exists and is not a model dir"]),
+        "average over a user's file": (["average", "--checkpoints", checkpointed, "--out", users_file],
+                                       [f"--out {users_file} exists and is not a model dir"]),
+        "export over a model dir holding a user's file": (
+            ["export", "--checkpoint", checkpointed, "--out", tmp / "model_extra"],
+            ["--out", "model_extra", "is a model dir written by dsmt export or average but also holds 'README'"]),
+        "prepare over a user's file": (small + ["--valid", tmp / "small" / "train", "--out", users_file],
+                                       [f"--out {users_file} exists and is not a data directory"]),
+        # Config values out of range: the key, the value and what is allowed.
+        "negative learning rate": (run + ["train.lr=-0.001"], ["'train.lr'=-0.001", "[0.0, inf)"]),
+        "heads that do not divide the width": (run + ["model.n_heads=3"], ["'model.n_heads'=3", "model.d_model=128"]),
+        "dropout of 1.5": (run + ["model.dropout=1.5"], ["'model.dropout'=1.5", "[0.0, 1.0)"]),
+        "no warmup": (run + ["train.warmup_steps=0"], ["'train.warmup_steps'=0", "[1, inf)"]),
+        "save interval 0": (run + ["train.save_interval=0"], ["'train.save_interval'=0"]),
+        "accumulation 0": (run + ["train.grad_accum=0"], ["'train.grad_accum'=0"]),
+        "negative max_steps": (run + ["train.max_steps=-1"], ["'train.max_steps'=-1", "[1, inf)"]),
+        "ZeRO stage 7": (run + [f"train.deepspeed_config={stage7}"], ["stage7.json", "zero_optimization.stage=7"]),
+        # Paths, checked before any work.
+        "output in a missing folder": (translate + ["--input", tmp / "small" / "train.en", "--output",
+                                                    tmp / "nowhere" / "out.de"], ["--output", "does not exist"]),
+        "hypotheses in a missing folder": (evaluate + ["--hypotheses", tmp / "nowhere" / "hyp.de"],
+                                           ["--hypotheses", "does not exist"]),
+        "input that is a folder": (translate + ["--input", tmp / "small"], ["--input", "is a folder"]),
+        "output_dir that is a file": (run[:-1] + [f"train.output_dir={users_file}"],
+                                      ["train.output_dir=", "results.txt", "cannot write there"]),
+        "output_dir that is a user's folder": (run[:-1] + [f"train.output_dir={users_folder}"],
+                                               ["train.output_dir=", "mine", "not the output dir of a dsmt run"]),
+        # Data that training cannot use, refused at prepare or before step 1.
+        "empty valid split": (small + ["--valid", tmp / "small" / "empty", "--out", tmp / "data"],
+                              ["empty.en", "have no lines"]),
+        "valid sentence longer than a batch": (long_valid + ["data.max_tokens=128"],
+                                               ["pair 1 of split 'valid'", "data.max_tokens=128",
+                                                "evaluation splits are kept whole"]),
+        "valid sentence longer than the positions": (long_valid + ["model.max_positions=200"],
+                                                     ["pair 1 of split 'valid'", "model.max_positions=200"]),
+        # What used to succeed silently.
+        "vocabulary size 0": (["prepare", "toy", "--vocab-size", "0", "--out", tmp / "data"], ["--vocab-size 0"]),
+        "source language equal to target": (small + ["--valid", tmp / "small" / "train", "--src", "en", "--tgt", "en",
+                                                     "--out", tmp / "data"], ["--src and --tgt are both 'en'"]),
+        "test split named like train": (small + ["--valid", tmp / "small" / "train", "--test", tmp / "elsewhere" / "train",
+                                                 "--out", tmp / "data"], ["--test", "'train'", "rename"]),
+        "outputs that can hold no token": (translate + ["--max-len-a", "-1", "--max-len-b", "0"],
+                                           ["--max-len-a -1.0 --max-len-b 0", "no token"]),
+        "outputs of length 0": (translate + ["--max-len-a", "0", "--max-len-b", "0"], ["--max-len-a 0.0 --max-len-b 0"]),
     }
 
 
 BAD_INPUTS = ["unknown config key", "wrong value type", "inconsistent ZeRO batch sizes", "fp16 on CPU",
               "missing data dir", "data dir of another vocabulary", "source/target line counts differ",
               "non-UTF-8 input", "empty training set after filtering", "checkpoint of another model size",
-              "invalid ds_config JSON", "malformed hostfile"]
+              "invalid ds_config JSON", "malformed hostfile",
+              "export over a user's folder", "export over the run itself", "average over a user's file",
+              "export over a model dir holding a user's file", "prepare over a user's file",
+              "negative learning rate", "heads that do not divide the width", "dropout of 1.5", "no warmup",
+              "save interval 0", "accumulation 0", "negative max_steps", "ZeRO stage 7",
+              "output in a missing folder", "hypotheses in a missing folder", "input that is a folder",
+              "output_dir that is a file", "output_dir that is a user's folder", "empty valid split", "valid sentence longer than a batch",
+              "valid sentence longer than the positions", "vocabulary size 0", "source language equal to target",
+              "test split named like train", "outputs that can hold no token", "outputs of length 0"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", BAD_INPUTS)
 def test_bad_input_is_one_clear_line_and_loses_nothing(name, tmp_path, toy_data, checkpointed):
+    """Exit status 2, one line naming the key/file/line, no traceback, and every file that existed before
+    (the test's own and a checkpoint's) byte for byte unchanged."""
     args, words = bad_inputs(tmp_path, toy_data, checkpointed)[name]
-    before = tree_digest(checkpointed)
     if "&&" in args:  # a preparation step first
         cut = args.index("&&")
-        assert dsmt(*args[:cut]).returncode == 0
+        prepared = dsmt(*args[:cut])
+        assert prepared.returncode == 0, prepared.stderr[-2000:]
         args = args[cut + 1:]
+    before = tree_digest(checkpointed), tree_digest(tmp_path)
     result = dsmt(*args)
     errors = [line for line in result.stderr.splitlines() if line.startswith("dsmt: error:")]
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr and len(set(errors)) == 1, result.stderr[-2000:]
     for word in words:
         assert word in errors[0], errors[0]
-    assert tree_digest(checkpointed) == before
+    after = tree_digest(checkpointed), tree_digest(tmp_path)
+    assert after[0] == before[0]
+    assert {k: v for k, v in after[1].items() if k in before[1]} == before[1]
 
 
 def test_hostfile_check_accepts_comments_and_refuses_duplicates(tmp_path):

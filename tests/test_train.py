@@ -14,7 +14,7 @@ from dsmt import DsmtError
 from dsmt.checkpoint import latest_tag, load_model, prune
 from dsmt.data.batching import ParallelData, epoch_batches
 from dsmt.data.prepare import PrepareOptions, load_meta, prepare
-from dsmt.decode import cached_logits, greedy
+from dsmt.decode import cached_logits, greedy, max_output_length
 from dsmt.engine import fill_ds_config, free_port, inverse_sqrt, read_ds_config
 from dsmt.loss import label_smoothed_nll
 from tests.conftest import MULTI30K, PYTHON, REPO, run_env
@@ -242,7 +242,7 @@ def test_zero3_validation_equals_cached_decoding_of_its_weights(stage_runs):
     with torch.no_grad():
         for indices in epoch_batches(data.src_lens, data.tgt_lens, cfg.data.max_tokens, seed=0, epoch=0):
             src = data.collate(indices)["src"]
-            max_len = int(cfg.eval.max_len_a * src.size(1) + cfg.eval.max_len_b)
+            max_len = max_output_length(src.size(1), cfg.eval.max_len_a, cfg.eval.max_len_b, cfg.model.max_positions)
             found = greedy(cached_logits(model, src), len(indices), "cpu", sp.bos_id(), sp.eos_id(), sp.pad_id(),
                            max_len)
             hypotheses.update(zip(map(int, indices), found))

@@ -20,11 +20,12 @@ def text_file(prefix: str, lang: str) -> Path:
 
 
 def decode_lines(stream, name) -> list[str]:
-    """The lines of a binary stream as text, or an error naming the first line that is not UTF-8."""
+    """The lines of a binary stream as text, or an error naming the first line that is not UTF-8. A UTF-8
+    byte-order mark (some Windows editors write one) is not text: it is dropped from the first line."""
     lines = []
     for number, raw in enumerate(stream, 1):
         try:
-            lines.append(raw.decode("utf-8").rstrip("\r\n"))
+            lines.append(raw.decode("utf-8-sig" if number == 1 else "utf-8").rstrip("\r\n"))
         except UnicodeDecodeError as e:
             raise DsmtError(f"{name}:{number}: not valid UTF-8 ({e.reason} at byte {e.start}); "
                             "re-encode the file as UTF-8") from None

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from dsmt import DsmtError
 from dsmt.data.corpora import read_parallel, text_file
-from dsmt.files import staged_dir
+from dsmt.files import Product, check_replaceable, staged_dir
 
 FORMAT_VERSION = 1
 SPECIALS = {"pad": 0, "unk": 1, "bos": 2, "eos": 3}
@@ -48,7 +48,29 @@ def _fingerprint(splits: dict[str, str], options: PrepareOptions) -> str:
 
 def read_meta(data_dir) -> dict | None:
     path = Path(data_dir) / "meta.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise DsmtError(f"{path} is damaged (not JSON); prepare the data again into a new --out") from None
+
+
+def _written_entries(data_dir: Path) -> set[str] | None:
+    """The files ``dsmt prepare`` wrote into ``data_dir``, as its meta.json tells; None if it has none."""
+    meta = read_meta(data_dir)
+    if meta is None:
+        return None
+    names = {"meta.json"} | {f for name in meta["spm"].values() for f in (name, name[:-len(".model")] + ".vocab")}
+    for split in meta["splits"]:
+        for lang in (meta["src"], meta["tgt"]):
+            names |= {f"{split}.{lang}.ids.npy", f"{split}.{lang}.offsets.npy"}
+            if split != "train":
+                names.add(f"{split}.{lang}.txt")
+    return names
+
+
+DATA_DIR = Product("a data directory written by dsmt prepare", _written_entries)
 
 
 def load_meta(data_dir) -> dict:
@@ -105,6 +127,31 @@ def _write_ids(folder: Path, stem: str, ids: list[list[int]], dtype) -> int:
     return int(offsets[-1])
 
 
+def _note_long_lines(name: str, paths, src_ids, tgt_ids, max_len: int) -> None:
+    """Evaluation splits are kept whole; say which line training's data.max_tokens must hold."""
+    lengths = [max(len(s), len(t)) + 1 for s, t in zip(src_ids, tgt_ids)]  # + EOS/BOS
+    longest = int(np.argmax(lengths))
+    if lengths[longest] > max_len:
+        print(f"note: {paths[0]}:{longest + 1} has {lengths[longest]} tokens with EOS (more than --max-len {max_len}); "
+              f"evaluation splits are kept whole, so training on split {name!r} needs data.max_tokens >= "
+              f"{lengths[longest]}")
+
+
+def check_options(splits: dict[str, str], options: PrepareOptions) -> None:
+    """Options and split names that cannot make a usable data directory, refused before any work."""
+    if options.model_type not in ("unigram", "bpe"):
+        raise DsmtError(f"--model-type must be unigram or bpe, not {options.model_type!r}")
+    if options.src == options.tgt:
+        raise DsmtError(f"--src and --tgt are both {options.src!r}; a translation direction needs two languages")
+    for flag, value, least in (("--vocab-size", options.vocab_size, 8), ("--max-len", options.max_len, 1),
+                               ("--max-ratio", options.max_ratio, 1)):
+        if value < least:
+            raise DsmtError(f"{flag} {value}: must be at least {least}")
+    missing = {"train", "valid"} - set(splits)
+    if missing:
+        raise DsmtError(f"dsmt prepare needs the splits {sorted(missing)} too")
+
+
 def _build(corpora: dict, folder: Path, options: PrepareOptions, fingerprint: str) -> dict:
     src_train, tgt_train, _ = corpora["train"]
     langs = (options.src, options.tgt)
@@ -131,6 +178,7 @@ def _build(corpora: dict, folder: Path, options: PrepareOptions, fingerprint: st
                 raise DsmtError(f"no training pair is left after filtering ({info['dropped']}); check the files "
                                 f"{info['files']} or loosen --max-len/--max-ratio")
         else:
+            _note_long_lines(name, paths, src_ids, tgt_ids, options.max_len)
             for lang, lines in ((options.src, src_raw), (options.tgt, tgt_raw)):
                 (folder / f"{name}.{lang}.txt").write_text("".join(line + "\n" for line in lines))
         info["pairs"] = len(src_ids)
@@ -150,19 +198,20 @@ def prepare(splits: dict[str, str], out: str, options: PrepareOptions) -> dict:
 
     Re-running on the same inputs and options reuses ``out``; changed inputs rebuild it.
     """
-    if options.model_type not in ("unigram", "bpe"):
-        raise DsmtError(f"--model-type must be unigram or bpe, not {options.model_type!r}")
+    check_options(splits, options)
     out_dir = Path(out)
     fingerprint = _fingerprint(splits, options)
     existing = read_meta(out_dir)
     if existing and existing.get("fingerprint") == fingerprint:
         print(f"{out_dir}: up to date with its inputs, reused")
         return existing
-    if existing is None and out_dir.is_dir() and any(out_dir.iterdir()):
-        raise DsmtError(f"--out {out_dir} exists and is not a dsmt data directory; choose another path")
+    check_replaceable(out_dir, DATA_DIR, "--out")
 
     corpora = {name: read_parallel(prefix, options.src, options.tgt) for name, prefix in splits.items()}
-    with staged_dir(out_dir) as staging:
+    for name, (src_lines, _, paths) in corpora.items():
+        if not src_lines:
+            raise DsmtError(f"{paths[0]} and {paths[1]} (split {name!r}) have no lines; every split needs sentence pairs")
+    with staged_dir(out_dir, DATA_DIR) as staging:
         meta = _build(corpora, staging, options, fingerprint)
     train = meta["splits"]["train"]
     print(f"{out_dir}: {train['pairs']} training pairs kept of {train['raw_pairs']} (dropped {train['dropped']}), "
