@@ -107,17 +107,22 @@ def _prepare(args) -> None:
     from dsmt.data.corpora import multi30k_prefixes, write_toy_corpus
     from dsmt.data.prepare import PrepareOptions, prepare
 
-    vocab_size = args.vocab_size if args.vocab_size is not None else 300 if args.corpus == "toy" else 8000
+    vocab_size = args.vocab_size if args.vocab_size is not None else {"toy": 300, "wmt14": 32000}.get(args.corpus, 8000)
     options = PrepareOptions(src=args.src, tgt=args.tgt, vocab_size=vocab_size, joint=not args.separate_vocab,
-                             model_type=args.model_type, max_len=args.max_len, max_ratio=args.max_ratio)
+                             model_type=args.model_type, max_len=args.max_len, max_ratio=args.max_ratio,
+                             **({} if args.spm_sample is None else {"spm_sample": args.spm_sample}))
     if args.corpus == "multi30k":
         prepare(multi30k_prefixes(args.src, args.tgt, args.raw_dir, args.url), args.out, options)
+    elif args.corpus == "wmt14":
+        from dsmt.data.wmt14 import wmt14_prefixes
+
+        prepare(wmt14_prefixes(args.src, args.tgt, args.raw_dir), args.out, options)
     elif args.corpus == "toy":
         with tempfile.TemporaryDirectory() as folder:
             prepare(write_toy_corpus(Path(folder)), args.out, options)
     else:
         if not (args.train and args.valid):
-            raise DsmtError("dsmt prepare needs --train PREFIX and --valid PREFIX (or a built-in corpus: multi30k, toy)")
+            raise DsmtError("dsmt prepare needs --train PREFIX and --valid PREFIX (or a built-in corpus: multi30k, wmt14, toy)")
         splits = {"train": args.train, "valid": args.valid}
         for prefix in args.test:
             name = Path(prefix).name
@@ -154,19 +159,23 @@ def build_parser() -> argparse.ArgumentParser:
     prepare = verbs.add_parser(
         "prepare", help="train sentencepiece and binarize parallel text into a data directory",
         description="Read PREFIX.SRC/PREFIX.TGT (plain or .gz) for each split, or a built-in corpus.")
-    prepare.add_argument("corpus", nargs="?", choices=["multi30k", "toy"], help="a built-in corpus instead of files")
+    prepare.add_argument("corpus", nargs="?", choices=["multi30k", "wmt14", "toy"],
+                         help="a built-in corpus instead of files (wmt14: en-de or en-fr, the paper's data)")
     prepare.add_argument("--src", default="en", help="source language suffix (default: en)")
     prepare.add_argument("--tgt", default="de", help="target language suffix (default: de)")
     prepare.add_argument("--train", help="training file prefix")
     prepare.add_argument("--valid", help="validation file prefix")
     prepare.add_argument("--test", action="append", default=[], help="test file prefix (repeatable)")
     prepare.add_argument("--out", required=True, help="output data directory")
-    prepare.add_argument("--vocab-size", type=int, help="sentencepiece vocabulary (default: 8000; toy: 300)")
+    prepare.add_argument("--vocab-size", type=int, help="sentencepiece vocabulary (default: 8000; wmt14: 32000; toy: 300)")
     prepare.add_argument("--separate-vocab", action="store_true", help="one sentencepiece model per language")
     prepare.add_argument("--model-type", default="unigram", choices=["unigram", "bpe"])
     prepare.add_argument("--max-len", type=int, default=250, help="drop training pairs longer than this (subwords)")
     prepare.add_argument("--max-ratio", type=float, default=3.0, help="drop training pairs with a longer length ratio")
-    prepare.add_argument("--raw-dir", help="multi30k: folder with the raw .gz files (default: ../shared/data/multi30k)")
+    prepare.add_argument("--spm-sample", type=int, metavar="N",
+                         help="train sentencepiece on N training pairs drawn at random (default: 500000)")
+    prepare.add_argument("--raw-dir", help="multi30k: folder with the raw .gz files (default: ../shared/data/multi30k); "
+                                           "wmt14: folder with its archives (default: download them)")
     prepare.add_argument("--url", help="multi30k: base URL to download the raw files from")
     prepare.set_defaults(func=_prepare)
 

@@ -1,10 +1,12 @@
 import functools
 import gzip
 import http.server
+import json
 import shutil
 import subprocess
 import threading
 import unicodedata
+import zipfile
 from collections import Counter
 from pathlib import Path
 
@@ -17,7 +19,7 @@ from dsmt.data import corpora
 from dsmt.data.batching import BatchStream, ParallelData, epoch_batches, shard, token_batches
 from dsmt.data.corpora import MULTI30K_SPLITS, download, multi30k_prefixes
 from dsmt.data.prepare import PrepareOptions, prepare
-from tests.conftest import MULTI30K, PYTHON, run_env
+from tests.conftest import MULTI30K, PYTHON, REPO, run_env
 
 
 @pytest.fixture(scope="module")
@@ -291,10 +293,10 @@ def test_corrupt_download_is_refused_and_not_kept(tmp_path, file_server):
     (served / "val.de.gz").write_bytes(b"not the real file")
     dest = tmp_path / "val.de.gz"
     with pytest.raises(DsmtError, match="checksum mismatch"):
-        download(url + "val.de.gz", dest, corpora.MULTI30K_SHA256["val.de.gz"])
+        download(url + "val.de.gz", dest, corpora.MULTI30K_SHA256["val.de.gz"], "use --raw-dir")
     assert not dest.exists() and not list(tmp_path.glob("*.part"))
     with pytest.raises(DsmtError, match="cannot download"):
-        download(url + "missing.gz", dest, corpora.MULTI30K_SHA256["val.de.gz"])
+        download(url + "missing.gz", dest, corpora.MULTI30K_SHA256["val.de.gz"], "use --raw-dir")
     assert not dest.exists()
 
 
@@ -331,3 +333,235 @@ def test_staging_folders_of_dead_processes_are_removed_and_others_kept(tmp_path)
         (staging / "done").write_text("y")
     assert (tmp_path / "out" / "done").is_file()
     assert not dead.exists() and running.exists() and elsewhere.exists()  # pid 1 lives; another host's is not ours
+
+
+# ---- streaming at scale ---------------------------------------------------------------------------------
+
+def test_token_batches_equal_a_per_sentence_greedy_loop():
+    """The numpy cut gives exactly the batches of the loop it replaced (one step per sentence)."""
+    def per_sentence(src_lens, tgt_lens, max_tokens, order):
+        batches, start, widest = [], 0, 0
+        for end, i in enumerate(order):
+            width = max(widest, src_lens[i], tgt_lens[i])
+            if width * (end - start + 1) > max_tokens:
+                batches.append(order[start:end])
+                start, width = end, max(src_lens[i], tgt_lens[i])
+            widest = width
+        return batches + [order[start:]]
+
+    rng = np.random.default_rng(0)
+    for size, max_tokens in ((1, 64), (1000, 64), (20000, 300), (50000, 4096)):
+        src, tgt = rng.integers(2, 60, size), rng.integers(2, 60, size)
+        order = np.lexsort((rng.random(size), tgt, src))
+        expected, found = per_sentence(src, tgt, max_tokens, order), token_batches(src, tgt, max_tokens, order)
+        assert len(found) == len(expected) and all(np.array_equal(a, b) for a, b in zip(found, expected))
+
+
+def reference_binarize(prefix: str, sp, options: PrepareOptions, train: bool) -> dict:
+    """What the in-memory prepare did: whole files read, encoded at once, training pairs filtered."""
+    sides = [Path(f"{prefix}.{lang}.gz").read_bytes() if Path(f"{prefix}.{lang}.gz").exists()
+             else Path(f"{prefix}.{lang}").read_bytes() for lang in (options.src, options.tgt)]
+    sides = [(gzip.decompress(b) if b[:2] == b"\x1f\x8b" else b).decode("utf-8-sig").splitlines() for b in sides]
+    ids = [sp.encode(lines) for lines in sides]
+    keep = [True] * len(sides[0])
+    if train:
+        for i, (s, t, a, b) in enumerate(zip(*sides, *ids)):
+            long, short = max(len(a), len(b)), max(min(len(a), len(b)), 1)
+            keep[i] = bool(s.strip() and t.strip()) and long <= options.max_len and long / short <= options.max_ratio
+    arrays = {}
+    for lang, lang_ids in zip((options.src, options.tgt), ids):
+        kept = [x for x, k in zip(lang_ids, keep) if k]
+        arrays[lang] = (np.array([t for x in kept for t in x], dtype=np.uint16),
+                        np.concatenate([[0], np.cumsum([len(x) for x in kept])]).astype(np.int64))
+    return {"arrays": arrays, "pairs": sum(keep), "raw_pairs": len(keep)}
+
+
+def test_streaming_prepare_equals_the_in_memory_reference(multi30k_dir, tmp_path, monkeypatch):
+    """Multi30k, streamed in chunks smaller than a split: every ids and offsets array, every count, and the
+    sentencepiece input (all training sentences, source then target, when they fit the sample) are those of
+    reading everything at once. Sentencepiece's own training is not bitwise repeatable, so both sides encode
+    with the model this run trained."""
+    import dsmt.data.prepare as prepare_module
+
+    monkeypatch.setattr(prepare_module, "CHUNK_PAIRS", 7000)
+    seen = []
+    train_spm = prepare_module._train_sentencepiece
+    monkeypatch.setattr(prepare_module, "_train_sentencepiece", lambda lines, *a: seen.append(lines) or train_spm(lines, *a))
+    splits = multi30k_prefixes("en", "de", str(multi30k_dir), None)
+    options = PrepareOptions("en", "de")
+    meta = prepare(splits, str(tmp_path / "out"), options)
+    sides = [gzip.open(f"{splits['train']}.{lang}.gz", "rt", encoding="utf-8").read().splitlines() for lang in ("en", "de")]
+    assert seen == [sides[0] + sides[1]] and len(sides[0]) == 29000
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "out" / "spm.model"))
+    for name, prefix in splits.items():
+        expected = reference_binarize(prefix, sp, options, train=name == "train")
+        assert meta["splits"][name]["pairs"] == expected["pairs"]
+        assert meta["splits"][name]["raw_pairs"] == expected["raw_pairs"]
+        for lang, (ids, offsets) in expected["arrays"].items():
+            assert np.array_equal(np.load(tmp_path / "out" / f"{name}.{lang}.ids.npy"), ids), (name, lang)
+            assert np.array_equal(np.load(tmp_path / "out" / f"{name}.{lang}.offsets.npy"), offsets), (name, lang)
+            assert meta["splits"][name]["tokens"][lang] == len(ids)
+
+
+def test_sentencepiece_learns_from_a_sample_of_the_requested_size(tmp_path, monkeypatch):
+    import dsmt.data.prepare as prepare_module
+
+    seen = []
+    train_spm = prepare_module._train_sentencepiece
+    monkeypatch.setattr(prepare_module, "_train_sentencepiece", lambda lines, *a: seen.append(lines) or train_spm(lines, *a))
+    meta = prepare(small_corpus(tmp_path), str(tmp_path / "out"), PrepareOptions("en", "de", vocab_size=50, spm_sample=30))
+    assert len(seen[0]) == 60 and set(seen[0][:30]) <= set(SMALL_EN) and set(seen[0][30:]) <= set(SMALL_DE)
+    assert len(set(seen[0][:30])) == 30 and meta["splits"]["train"]["pairs"] == 100  # a sample; all encoded
+    assert "--spm-sample 0: must be at least 1" in cli_prepare(tmp_path, small_corpus(tmp_path), "--spm-sample", "0").stderr
+
+
+@pytest.fixture(scope="module")
+def scale_table(tmp_path_factory):
+    """benchmarks/prepare_scale.py on 200k and 800k generated pairs (prepare only)."""
+    if not (MULTI30K / "train.en.gz").exists():
+        pytest.skip(f"Multi30k raw files not found in {MULTI30K}")
+    work = tmp_path_factory.mktemp("scale")
+    result = subprocess.run([PYTHON, "benchmarks/prepare_scale.py", "--pairs", "200000,800000", "--vocab-size", "2000",
+                             "--spm-sample", "20000", "--train-steps", "0", "--work", str(work)], cwd=REPO,
+                            env=run_env(), capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.strip("|").split("|") for line in result.stdout.splitlines() if line.startswith("| 2") or line.startswith("| 8")]
+    return work, {int(r[0].replace(",", "")): (float(r[1]), float(r[3].replace(",", ""))) for r in rows}
+
+
+@pytest.mark.slow
+def test_prepare_memory_does_not_grow_with_the_corpus(scale_table):
+    work, table = scale_table
+    (_, small), (_, large) = table[200_000], table[800_000]
+    assert large < 1.2 * small, table  # 4x the pairs, not 4x the memory
+    meta = json.loads((work / "data_800000" / "meta.json").read_text())
+    assert meta["splits"]["train"]["raw_pairs"] == 800_000
+
+
+@pytest.mark.slow
+def test_prepare_killed_mid_encoding_leaves_nothing_that_looks_complete_and_reruns(scale_table, tmp_path):
+    import signal
+    import time
+
+    work, _ = scale_table
+    corpus, out = work / "corpus_800000", tmp_path / "out"
+    command = [PYTHON, "-m", "dsmt.cli", "prepare", "--train", str(corpus / "train"), "--valid", str(corpus / "valid"),
+               "--vocab-size", "2000", "--spm-sample", "20000", "--out", str(out)]
+    job = subprocess.Popen(command, cwd=REPO, env=run_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 600
+    while not any(p.stat().st_size > 1 << 20 for p in tmp_path.glob(".out.tmp-*/train.en.ids.raw")):
+        assert job.poll() is None and time.time() < deadline, "prepare ended before it was killed"
+        time.sleep(0.1)
+    job.send_signal(signal.SIGKILL)
+    job.wait()
+    assert not out.exists() and list(tmp_path.glob(".out.tmp-*"))  # the staging folder, never the target
+    rerun = subprocess.run(command, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=900)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert json.loads((out / "meta.json").read_text())["splits"]["train"]["raw_pairs"] == 800_000
+    assert not list(tmp_path.glob(".out.tmp-*"))  # the dead run's staging folder is gone
+
+
+# ---- WMT14 -------------------------------------------------------------------------------------------------
+
+def wmt14_archives(folder: Path, pairs: dict, damage: str = "") -> dict:
+    """Small zip archives with the layout of the WMT14 mirrors (en-de); returns name → (URL, SHA-256) for them.
+    ``pairs``: corpus name → list of (en, de) lines."""
+    from dsmt.data import wmt14
+
+    folder.mkdir(parents=True, exist_ok=True)
+    members = {
+        "europarl": {f"training/europarl-v7.de-en.{lang}": side for lang, side in (("en", 0), ("de", 1))},
+        "commoncrawl": {f"commoncrawl.de-en.{lang}": side for lang, side in (("en", 0), ("de", 1))},
+        "news-commentary": {f"training/news-commentary-v9.de-en.{lang}": side for lang, side in (("en", 0), ("de", 1))},
+    }
+    archives = {}
+    for name, files in members.items():
+        with zipfile.ZipFile(folder / wmt14.ARCHIVES[name][0].rsplit("/", 1)[1], "w") as bundle:
+            for member, side in files.items():
+                lines = [pair[side] for pair in pairs[name]]
+                if damage == "uneven" and name == "commoncrawl" and side == 1:
+                    lines = lines[:-1]
+                if not (damage == "missing" and name == "commoncrawl" and side == 1):
+                    bundle.writestr(member, "".join(line + "\n" for line in lines))
+    with zipfile.ZipFile(folder / "dev.zip", "w") as bundle:
+        for lang, side in (("en", 0), ("de", 1)):
+            bundle.writestr(f"dev/newstest2013.{lang}", "".join(p[side] + "\n" for p in pairs["valid"]))
+            segments = "".join(f'<seg id="{i}">{p[side].replace("&", "&amp;")}</seg>\n' for i, p in enumerate(pairs["test"], 1))
+            kind = "ref" if lang == "en" else "src"
+            bundle.writestr(f"dev/newstest2014-deen-{kind}.{lang}.sgm", f'<srcset>\n<doc docid="x">\n{segments}</doc>\n</srcset>\n')
+    for name, (url, _) in wmt14.ARCHIVES.items():
+        path = folder / url.rsplit("/", 1)[1]
+        if path.exists():
+            archives[name] = (url, corpora.file_sha256(path))
+    return archives
+
+
+def toy_pairs(count: int, seed: int) -> list[tuple[str, str]]:
+    import random
+
+    rng = random.Random(seed)
+    return [corpora.toy_pair(rng) for _ in range(count)]
+
+
+WMT14_PAIRS = {"europarl": toy_pairs(300, 1), "commoncrawl": toy_pairs(200, 2), "news-commentary": toy_pairs(100, 3),
+               "valid": toy_pairs(30, 4), "test": [("Fish & chips.", "Fisch & Pommes.")] + toy_pairs(29, 5)}
+
+
+def test_wmt14_from_local_archives_pairs_the_right_files(tmp_path, monkeypatch):
+    from dsmt.data import wmt14
+
+    monkeypatch.setattr(wmt14, "ARCHIVES", wmt14_archives(tmp_path / "raw", WMT14_PAIRS))
+    monkeypatch.setenv("DSMT_CACHE", str(tmp_path / "cache"))
+    prefixes = wmt14.wmt14_prefixes("de", "en", str(tmp_path / "raw"))
+    meta = prepare(prefixes, str(tmp_path / "out"), PrepareOptions("de", "en", vocab_size=200))
+    assert meta["splits"]["train"]["raw_pairs"] == 600 and meta["splits"]["newstest2014"]["pairs"] == 30
+    train_en = Path(prefixes["train"] + ".en").read_text().splitlines()
+    expected = [p[0] for name in ("europarl", "commoncrawl", "news-commentary") for p in WMT14_PAIRS[name]]
+    assert train_en == expected
+    assert (tmp_path / "out" / "newstest2014.de.txt").read_text().splitlines()[0] == "Fisch & Pommes."
+    assert (tmp_path / "out" / "valid.en.txt").read_text().splitlines() == [p[0] for p in WMT14_PAIRS["valid"]]
+
+
+@pytest.mark.parametrize("damage, words", [
+    ("checksum", ["training-parallel-europarl-v7.zip: checksum mismatch"]),
+    ("missing", ["training-parallel-commoncrawl.zip has no file commoncrawl.de-en.de"]),
+    ("uneven", ["commoncrawl.de-en.en", "commoncrawl.de-en.de", "[200, 199] lines"]),
+])
+def test_wmt14_bad_archives_are_one_line_and_leave_nothing(tmp_path, monkeypatch, damage, words):
+    from dsmt.data import wmt14
+
+    archives = wmt14_archives(tmp_path / "raw", WMT14_PAIRS, damage)
+    if damage == "checksum":
+        archives["europarl"] = (archives["europarl"][0], "0" * 64)
+    monkeypatch.setattr(wmt14, "ARCHIVES", archives)
+    monkeypatch.setenv("DSMT_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(DsmtError) as error:
+        wmt14.wmt14_prefixes("en", "de", str(tmp_path / "raw"))
+    for word in words:
+        assert word in str(error.value)
+    assert not (tmp_path / "cache" / "wmt14_de_en").exists() and not list((tmp_path / "cache").glob(".wmt14*"))
+
+
+def test_wmt14_cli_names_a_missing_archive(tmp_path):
+    (tmp_path / "raw").mkdir()
+    result = dsmt("prepare", "wmt14", "--src", "en", "--tgt", "de", "--raw-dir", str(tmp_path / "raw"), "--out",
+                  str(tmp_path / "out"), cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "has no training-parallel-europarl-v7.zip; put the WMT14 archives there" in result.stderr
+    unsupported = dsmt("prepare", "wmt14", "--src", "en", "--tgt", "cs", "--out", str(tmp_path / "out"))
+    assert "WMT14 here is en-de and en-fr (either direction), not en-cs" in unsupported.stderr
+
+
+def test_wmt14_download_refuses_a_corrupt_archive_and_keeps_nothing(tmp_path, file_server, monkeypatch):
+    from dsmt.data import wmt14
+
+    served, url = file_server
+    archives = wmt14_archives(served, WMT14_PAIRS)
+    (served / "dev.zip").write_bytes(b"not the real archive")
+    monkeypatch.setattr(wmt14, "ARCHIVES", {name: (url + u.rsplit("/", 1)[1], sha) for name, (u, sha) in archives.items()})
+    monkeypatch.setenv("DSMT_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(DsmtError, match="dev.zip: checksum mismatch"):
+        wmt14.wmt14_prefixes("en", "de", None)
+    downloaded = tmp_path / "cache" / "wmt14"
+    assert (downloaded / "training-parallel-nc-v9.zip").is_file() and not (downloaded / "dev.zip").exists()
+    assert not list(downloaded.glob("*.part"))

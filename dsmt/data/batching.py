@@ -29,8 +29,9 @@ class ParallelData:
         if len(self.src_offsets) < 2:
             raise DsmtError(f"{data_dir}: split {split!r} holds no sentence pair; prepare the data again with a "
                             "non-empty file for it")
-        self.src_lens = np.diff(self.src_offsets) + 1  # + EOS
-        self.tgt_lens = np.diff(self.tgt_offsets) + 1  # + BOS on the input side, + EOS on the output side
+        # 4 bytes a sentence: a rank's memory for them is 36 MB at WMT14 En-De's 4.5M pairs.
+        self.src_lens = (np.diff(self.src_offsets) + 1).astype(np.int32)  # + EOS
+        self.tgt_lens = (np.diff(self.tgt_offsets) + 1).astype(np.int32)  # + BOS on the input side, + EOS on the output
 
     @staticmethod
     def _load(folder: Path, stem: str):
@@ -57,19 +58,22 @@ class ParallelData:
 
 
 def token_batches(src_lens, tgt_lens, max_tokens: int, order) -> list[np.ndarray]:
-    """Cut ``order`` greedily into batches whose padded source and padded target each hold ≤ max_tokens."""
-    longest = int(max(src_lens.max(), tgt_lens.max()))
+    """Cut ``order`` greedily into batches whose padded source and padded target each hold ≤ max_tokens: a batch
+    grows while its widest sentence × its sentence count fits. Each cut is one numpy pass over the sentences
+    that can still fit, so an epoch of millions of sentences is cut in about a second."""
+    order = np.asarray(order)
+    widths = np.maximum(src_lens, tgt_lens)[order]
+    longest = int(widths.max())
     if longest > max_tokens:
         raise DsmtError(f"a sentence has {longest} tokens, more than data.max_tokens={max_tokens}; "
                         "raise data.max_tokens or prepare the data with a smaller --max-len")
-    batches, start, widest = [], 0, 0
-    for end, i in enumerate(order):
-        width = max(widest, src_lens[i], tgt_lens[i])
-        if width * (end - start + 1) > max_tokens:
-            batches.append(order[start:end])
-            start, width = end, max(src_lens[i], tgt_lens[i])
-        widest = width
-    batches.append(order[start:])
+    batches, start = [], 0
+    while start < len(order):
+        window = widths[start:start + max_tokens // int(widths[start])]  # no batch can hold more
+        cost = np.maximum.accumulate(window) * np.arange(1, len(window) + 1)  # non-decreasing
+        size = int(np.searchsorted(cost, max_tokens, side="right"))
+        batches.append(order[start:start + size])
+        start += size
     return batches
 
 

@@ -2,11 +2,13 @@
 
 import gzip
 import hashlib
+import itertools
 import os
 import random
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Iterator
 
 from dsmt import DsmtError
 
@@ -19,33 +21,37 @@ def text_file(prefix: str, lang: str) -> Path:
     raise DsmtError(f"{prefix}.{lang} not found (nor {prefix}.{lang}.gz); check the prefix and --src/--tgt")
 
 
+def decode_line(raw: bytes, name, number: int) -> str:
+    """One line as text, or an error naming it if it is not UTF-8. A UTF-8 byte-order mark (some Windows
+    editors write one) is not text: it is dropped from a file's first line."""
+    try:
+        return raw.decode("utf-8-sig" if number == 1 else "utf-8").rstrip("\r\n")
+    except UnicodeDecodeError as e:
+        raise DsmtError(f"{name}:{number}: not valid UTF-8 ({e.reason} at byte {e.start}); "
+                        "re-encode the file as UTF-8") from None
+
+
 def decode_lines(stream, name) -> list[str]:
-    """The lines of a binary stream as text, or an error naming the first line that is not UTF-8. A UTF-8
-    byte-order mark (some Windows editors write one) is not text: it is dropped from the first line."""
-    lines = []
-    for number, raw in enumerate(stream, 1):
-        try:
-            lines.append(raw.decode("utf-8-sig" if number == 1 else "utf-8").rstrip("\r\n"))
-        except UnicodeDecodeError as e:
-            raise DsmtError(f"{name}:{number}: not valid UTF-8 ({e.reason} at byte {e.start}); "
-                            "re-encode the file as UTF-8") from None
-    return lines
+    """The lines of a binary stream as text (see ``decode_line``)."""
+    return [decode_line(raw, name, number) for number, raw in enumerate(stream, 1)]
 
 
-def read_lines(path: Path) -> list[str]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        return decode_lines(f, path)
+def open_binary(path: Path):
+    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
 
 
-def read_parallel(prefix: str, src: str, tgt: str) -> tuple[list[str], list[str], list[Path]]:
-    """Source lines, target lines, and the two files they came from; the line counts must agree."""
+def read_pairs(prefix: str, src: str, tgt: str) -> Iterator[tuple[str, str]]:
+    """Source and target lines of ``PREFIX.SRC``/``PREFIX.TGT`` (plain or .gz), one pair at a time; memory holds
+    one line. Unequal line counts are an error once the shorter file ends."""
     paths = [text_file(prefix, src), text_file(prefix, tgt)]
-    src_lines, tgt_lines = read_lines(paths[0]), read_lines(paths[1])
-    if len(src_lines) != len(tgt_lines):
-        raise DsmtError(f"{paths[0]} has {len(src_lines)} lines but {paths[1]} has {len(tgt_lines)}; "
-                        "a parallel corpus needs exactly one target line per source line")
-    return src_lines, tgt_lines, paths
+    with open_binary(paths[0]) as source, open_binary(paths[1]) as target:
+        for number, (raw_src, raw_tgt) in enumerate(itertools.zip_longest(source, target), 1):
+            if raw_src is None or raw_tgt is None:
+                rest = 1 + sum(1 for _ in (target if raw_src is None else source))
+                counts = [number - 1 + rest * (raw is not None) for raw in (raw_src, raw_tgt)]
+                raise DsmtError(f"{paths[0]} has {counts[0]} lines but {paths[1]} has {counts[1]}; "
+                                "a parallel corpus needs exactly one target line per source line")
+            yield decode_line(raw_src, paths[0], number), decode_line(raw_tgt, paths[1], number)
 
 
 # ---- Multi30k Task 1 ------------------------------------------------------------------------------
@@ -67,8 +73,17 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("DSMT_CACHE", Path.home() / ".cache" / "dsmt"))
 
 
-def download(url: str, dest: Path, sha256: str) -> None:
-    """Fetch ``url`` into ``dest`` only if its SHA-256 matches; a partial or corrupt file never lands at ``dest``."""
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def download(url: str, dest: Path, sha256: str, instead: str) -> None:
+    """Fetch ``url`` into ``dest`` only if its SHA-256 matches; a partial or corrupt file never lands at ``dest``.
+    ``instead`` says what to do when there is no network."""
     part = dest.with_name(dest.name + ".part")
     digest = hashlib.sha256()
     try:
@@ -78,8 +93,7 @@ def download(url: str, dest: Path, sha256: str) -> None:
                 out.write(chunk)
     except (urllib.error.URLError, OSError) as e:
         part.unlink(missing_ok=True)
-        raise DsmtError(f"cannot download {url}: {getattr(e, 'reason', e)}; "
-                        "pass --raw-dir with local copies of the Multi30k raw files") from None
+        raise DsmtError(f"cannot download {url}: {getattr(e, 'reason', e)}; {instead}") from None
     if digest.hexdigest() != sha256:
         part.unlink()
         raise DsmtError(f"{url}: checksum mismatch (sha256 {digest.hexdigest()[:16]}..., expected "
@@ -104,7 +118,8 @@ def multi30k_prefixes(src: str, tgt: str, raw_dir: str | None, url: str | None) 
         folder.mkdir(parents=True, exist_ok=True)
         for name in (f"{stem}.{lang}.gz" for stem in MULTI30K_SPLITS.values() for lang in (src, tgt)):
             if not (folder / name).is_file():
-                download((url or MULTI30K_URL) + name, folder / name, MULTI30K_SHA256[name])
+                download((url or MULTI30K_URL) + name, folder / name, MULTI30K_SHA256[name],
+                         "pass --raw-dir with local copies of the Multi30k raw files")
     return {split: str(folder / stem) for split, stem in MULTI30K_SPLITS.items()}
 
 

@@ -4,12 +4,19 @@ The directory holds the sentencepiece model(s), per split and language a flat ar
 array of sentence offsets (``np.load(..., mmap_mode="r")`` at train time), the raw text of the evaluation
 splits (references for BLEU), and ``meta.json``. It is built in a temporary sibling and renamed into
 place, so an interrupted or failed run never leaves a directory that looks complete.
+
+It streams, so memory does not grow with the corpus (WMT14 En-Fr has 36M pairs): a first pass checks every
+line and draws a random sample for sentencepiece (``--spm-sample`` pairs), a second encodes chunks of pairs
+on all cores and appends their ids to files on disk.
 """
 
 import hashlib
+import itertools
 import json
 import os
+import random
 import re
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -18,7 +25,7 @@ import sentencepiece as spm
 from tqdm import tqdm
 
 from dsmt import DsmtError
-from dsmt.data.corpora import read_parallel, text_file
+from dsmt.data.corpora import read_pairs, text_file
 from dsmt.files import Product, check_replaceable, staged_dir
 
 FORMAT_VERSION = 1
@@ -34,6 +41,10 @@ class PrepareOptions:
     model_type: str = "unigram"  # or "bpe"
     max_len: int = 250  # subword tokens per side, training pairs only
     max_ratio: float = 3.0  # longer side / shorter side, training pairs only
+    spm_sample: int = 500_000  # training pairs sentencepiece learns from (both sides for a joint model)
+
+
+CHUNK_PAIRS = 20_000  # pairs encoded at once, on all cores (their ids as Python lists: ~50 MB)
 
 
 def _fingerprint(splits: dict[str, str], options: PrepareOptions) -> str:
@@ -100,13 +111,6 @@ def _train_sentencepiece(lines: list[str], prefix: Path, options: PrepareOptions
     return spm.SentencePieceProcessor(model_file=f"{prefix}.model")
 
 
-def _encode(sp: spm.SentencePieceProcessor, lines: list[str], label: str, chunk: int = 20000) -> list[list[int]]:
-    ids = []
-    for start in tqdm(range(0, len(lines), chunk), desc=f"encode {label}", unit="chunk", disable=None, leave=False):
-        ids += sp.encode(lines[start:start + chunk], num_threads=os.cpu_count() or 1)
-    return ids
-
-
 def _keep_mask(src_raw, tgt_raw, src_ids, tgt_ids, options: PrepareOptions) -> tuple[np.ndarray, dict]:
     src_len = np.array([len(x) for x in src_ids])
     tgt_len = np.array([len(x) for x in tgt_ids])
@@ -118,23 +122,44 @@ def _keep_mask(src_raw, tgt_raw, src_ids, tgt_ids, options: PrepareOptions) -> t
     return ~(empty | too_long | bad_ratio), dropped
 
 
-def _write_ids(folder: Path, stem: str, ids: list[list[int]], dtype) -> int:
-    lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
-    flat = np.fromiter((t for x in ids for t in x), dtype=dtype, count=int(offsets[-1]))
-    np.save(folder / f"{stem}.ids.npy", flat)
-    np.save(folder / f"{stem}.offsets.npy", offsets)
-    return int(offsets[-1])
+class IdsWriter:
+    """The token ids of one split and language, appended chunk by chunk to raw files beside the target and
+    turned into ``STEM.ids.npy`` and ``STEM.offsets.npy`` at the end; memory holds one chunk."""
+
+    def __init__(self, folder: Path, stem: str, dtype):
+        self.folder, self.stem, self.dtype, self.total = folder, stem, np.dtype(dtype), 0
+        self.ids, self.offsets = open(folder / f"{stem}.ids.raw", "wb"), open(folder / f"{stem}.offsets.raw", "wb")
+        self.offsets.write(np.zeros(1, np.int64).tobytes())
+
+    def append(self, ids: list[list[int]]) -> None:
+        lengths = np.fromiter(map(len, ids), np.int64, count=len(ids))
+        count = int(lengths.sum())
+        self.ids.write(np.fromiter(itertools.chain.from_iterable(ids), self.dtype, count=count).tobytes())
+        self.offsets.write((self.total + np.cumsum(lengths)).tobytes())
+        self.total += count
+
+    def close(self) -> int:
+        """Write the two .npy files; returns the number of tokens."""
+        for raw, dtype in ((self.ids, self.dtype), (self.offsets, np.dtype(np.int64))):
+            raw.close()
+            _raw_to_npy(Path(raw.name), dtype)
+        return self.total
 
 
-def _note_long_lines(name: str, paths, src_ids, tgt_ids, max_len: int) -> None:
-    """Evaluation splits are kept whole; say which line training's data.max_tokens must hold."""
-    lengths = [max(len(s), len(t)) + 1 for s, t in zip(src_ids, tgt_ids)]  # + EOS/BOS
-    longest = int(np.argmax(lengths))
-    if lengths[longest] > max_len:
-        print(f"note: {paths[0]}:{longest + 1} has {lengths[longest]} tokens with EOS (more than --max-len {max_len}); "
-              f"evaluation splits are kept whole, so training on split {name!r} needs data.max_tokens >= "
-              f"{lengths[longest]}")
+def _raw_to_npy(raw: Path, dtype: np.dtype) -> None:
+    """``STEM.KIND.raw`` (headerless) → ``STEM.KIND.npy``: the header, then the bytes copied as a stream (a
+    memory map of the output would count towards this process's resident memory)."""
+    header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
+              "shape": (raw.stat().st_size // dtype.itemsize,)}
+    with open(raw, "rb") as source, open(raw.with_suffix(".npy"), "wb") as target:
+        np.lib.format.write_array_header_1_0(target, header)
+        shutil.copyfileobj(source, target, 1 << 24)
+    raw.unlink()
+
+
+def _chunks(pairs, size: int = CHUNK_PAIRS):
+    while chunk := list(itertools.islice(pairs, size)):
+        yield chunk
 
 
 def check_options(splits: dict[str, str], options: PrepareOptions) -> None:
@@ -144,7 +169,8 @@ def check_options(splits: dict[str, str], options: PrepareOptions) -> None:
     if options.src == options.tgt:
         raise DsmtError(f"--src and --tgt are both {options.src!r}; a translation direction needs two languages")
     for flag, value, least in (("--vocab-size", options.vocab_size, 8), ("--max-len", options.max_len, 1),
-                               ("--max-ratio", options.max_ratio, 1)):
+                               ("--max-ratio", options.max_ratio, 1),
+                               ("--spm-sample", options.spm_sample, 1)):
         if value < least:
             raise DsmtError(f"{flag} {value}: must be at least {least}")
     missing = {"train", "valid"} - set(splits)
@@ -152,43 +178,93 @@ def check_options(splits: dict[str, str], options: PrepareOptions) -> None:
         raise DsmtError(f"dsmt prepare needs the splits {sorted(missing)} too")
 
 
-def _build(corpora: dict, folder: Path, options: PrepareOptions, fingerprint: str) -> dict:
-    src_train, tgt_train, _ = corpora["train"]
+def _scan(splits: dict[str, str], options: PrepareOptions) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """The first pass, before any work: every line of every split is checked (UTF-8, equal line counts) and
+    counted, and a uniform random sample of ``spm_sample`` training pairs is drawn (reservoir sampling; all
+    of them, in order, when there are fewer)."""
+    rng, counts, sample = random.Random(0), {}, []
+    for name, prefix in splits.items():
+        count = 0
+        pairs = read_pairs(prefix, options.src, options.tgt)
+        for count, pair in enumerate(tqdm(pairs, desc=f"check {name}", unit=" pairs", disable=None, leave=False), 1):
+            if name != "train":
+                continue
+            if len(sample) < options.spm_sample:
+                sample.append(pair)
+            elif (slot := rng.randrange(count)) < options.spm_sample:
+                sample[slot] = pair
+        if count == 0:
+            paths = [text_file(prefix, lang) for lang in (options.src, options.tgt)]
+            raise DsmtError(f"{paths[0]} and {paths[1]} (split {name!r}) have no lines; every split needs sentence pairs")
+        counts[name] = count
+    return counts, sample
+
+
+def _sentencepiece_models(sample: list[tuple[str, str]], folder: Path, options: PrepareOptions):
+    """{lang: processor} and {lang: model file name}: one joint model, or one per language."""
     langs = (options.src, options.tgt)
+    sides = {options.src: [s for s, _ in sample], options.tgt: [t for _, t in sample]}
     if options.joint:
-        shared = _train_sentencepiece(src_train + tgt_train, folder / "spm", options)
-        processors, spm_files = {lang: shared for lang in langs}, {lang: "spm.model" for lang in langs}
-    else:
-        processors = {lang: _train_sentencepiece(lines, folder / f"spm.{lang}", options)
-                      for lang, lines in zip(langs, (src_train, tgt_train))}
-        spm_files = {lang: f"spm.{lang}.model" for lang in langs}
-    vocab = {lang: processors[lang].vocab_size() for lang in langs}
-    dtype = np.uint16 if max(vocab.values()) <= np.iinfo(np.uint16).max else np.int32
+        shared = _train_sentencepiece(sides[options.src] + sides[options.tgt], folder / "spm", options)
+        return {lang: shared for lang in langs}, {lang: "spm.model" for lang in langs}
+    return ({lang: _train_sentencepiece(sides[lang], folder / f"spm.{lang}", options) for lang in langs},
+            {lang: f"spm.{lang}.model" for lang in langs})
 
-    splits = {}
-    for name, (src_raw, tgt_raw, paths) in tqdm(corpora.items(), desc="binarize", unit="split", disable=None):
-        src_ids = _encode(processors[options.src], src_raw, f"{name}.{options.src}")
-        tgt_ids = _encode(processors[options.tgt], tgt_raw, f"{name}.{options.tgt}")
-        info = {"files": [str(p) for p in paths], "raw_pairs": len(src_raw)}
-        if name == "train":  # evaluation splits stay whole, so BLEU covers every reference
-            keep, info["dropped"] = _keep_mask(src_raw, tgt_raw, src_ids, tgt_ids, options)
-            src_raw, tgt_raw = [x for x, k in zip(src_raw, keep) if k], [x for x, k in zip(tgt_raw, keep) if k]
-            src_ids, tgt_ids = [x for x, k in zip(src_ids, keep) if k], [x for x, k in zip(tgt_ids, keep) if k]
-            if not src_ids:
-                raise DsmtError(f"no training pair is left after filtering ({info['dropped']}); check the files "
-                                f"{info['files']} or loosen --max-len/--max-ratio")
+
+def _binarize(name: str, prefix: str, pairs: int, folder: Path, processors: dict, dtype, options) -> dict:
+    """The second pass over one split: encode chunks on all cores, filter training pairs, append the ids (and
+    an evaluation split's text, kept whole for BLEU) to the files on disk."""
+    langs = (options.src, options.tgt)
+    info = {"files": [str(text_file(prefix, lang)) for lang in langs], "raw_pairs": pairs}
+    writers = {lang: IdsWriter(folder, f"{name}.{lang}", dtype) for lang in langs}
+    texts = {lang: open(folder / f"{name}.{lang}.txt", "w", encoding="utf-8") for lang in langs} if name != "train" else {}
+    dropped, longest, done = {"empty": 0, "too_long": 0, "length_ratio": 0}, (0, 0), 0
+    progress = tqdm(total=pairs, desc=f"encode {name}", unit=" pairs", disable=None, leave=False)
+    for chunk in _chunks(read_pairs(prefix, *langs)):
+        raw = {lang: [pair[side] for pair in chunk] for side, lang in enumerate(langs)}
+        ids = {lang: processors[lang].encode(raw[lang], num_threads=os.cpu_count() or 1) for lang in langs}
+        if name == "train":
+            keep, counts = _keep_mask(raw[langs[0]], raw[langs[1]], ids[langs[0]], ids[langs[1]], options)
+            dropped = {k: dropped[k] + counts[k] for k in dropped}
+            ids = {lang: [x for x, k in zip(ids[lang], keep) if k] for lang in langs}
         else:
-            _note_long_lines(name, paths, src_ids, tgt_ids, options.max_len)
-            for lang, lines in ((options.src, src_raw), (options.tgt, tgt_raw)):
-                (folder / f"{name}.{lang}.txt").write_text("".join(line + "\n" for line in lines))
-        info["pairs"] = len(src_ids)
-        info["tokens"] = {options.src: _write_ids(folder, f"{name}.{options.src}", src_ids, dtype),
-                          options.tgt: _write_ids(folder, f"{name}.{options.tgt}", tgt_ids, dtype)}
-        splits[name] = info
+            lengths = [max(len(s), len(t)) + 1 for s, t in zip(ids[langs[0]], ids[langs[1]])]  # + EOS/BOS
+            index = int(np.argmax(lengths))
+            if lengths[index] > longest[0]:
+                longest = (lengths[index], done + index + 1)  # (tokens, line number)
+            for lang in langs:
+                texts[lang].write("".join(line + "\n" for line in raw[lang]))
+        for lang in langs:
+            writers[lang].append(ids[lang])
+        done += len(chunk)
+        progress.update(len(chunk))
+    progress.close()
+    for text in texts.values():
+        text.close()
+    info["tokens"] = {lang: writers[lang].close() for lang in langs}
+    info["pairs"] = pairs - sum(dropped.values())
+    if name == "train":
+        info["dropped"] = dropped
+        if not info["pairs"]:
+            raise DsmtError(f"no training pair is left after filtering ({dropped}); check the files "
+                            f"{info['files']} or loosen --max-len/--max-ratio")
+    elif longest[0] > options.max_len:  # evaluation splits are kept whole: say what training must hold
+        print(f"note: {info['files'][0]}:{longest[1]} has {longest[0]} tokens with EOS (more than --max-len "
+              f"{options.max_len}); training on split {name!r} needs data.max_tokens >= {longest[0]}")
+    return info
 
+
+def _build(splits: dict[str, str], counts: dict[str, int], sample, folder: Path, options: PrepareOptions,
+           fingerprint: str) -> dict:
+    processors, spm_files = _sentencepiece_models(sample, folder, options)
+    sample.clear()  # the encoding pass needs its memory
+    vocab = {lang: processors[lang].vocab_size() for lang in (options.src, options.tgt)}
+    dtype = np.uint16 if max(vocab.values()) <= np.iinfo(np.uint16).max else np.int32
+    info = {name: _binarize(name, prefix, counts[name], folder, processors, dtype, options)
+            for name, prefix in splits.items()}
     meta = {"format": FORMAT_VERSION, "src": options.src, "tgt": options.tgt, "joint": options.joint,
             "model_type": options.model_type, "vocab_size": vocab, "specials": SPECIALS, "spm": spm_files,
-            "options": asdict(options), "splits": splits, "fingerprint": fingerprint}
+            "options": asdict(options), "splits": info, "fingerprint": fingerprint}
     (folder / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
 
@@ -207,12 +283,9 @@ def prepare(splits: dict[str, str], out: str, options: PrepareOptions) -> dict:
         return existing
     check_replaceable(out_dir, DATA_DIR, "--out")
 
-    corpora = {name: read_parallel(prefix, options.src, options.tgt) for name, prefix in splits.items()}
-    for name, (src_lines, _, paths) in corpora.items():
-        if not src_lines:
-            raise DsmtError(f"{paths[0]} and {paths[1]} (split {name!r}) have no lines; every split needs sentence pairs")
+    counts, sample = _scan(splits, options)
     with staged_dir(out_dir, DATA_DIR) as staging:
-        meta = _build(corpora, staging, options, fingerprint)
+        meta = _build(splits, counts, sample, staging, options, fingerprint)
     train = meta["splits"]["train"]
     print(f"{out_dir}: {train['pairs']} training pairs kept of {train['raw_pairs']} (dropped {train['dropped']}), "
           f"vocabulary {meta['vocab_size']}, splits {list(meta['splits'])}")
