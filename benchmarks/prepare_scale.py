@@ -6,8 +6,9 @@ It writes a WMT-like corpus of N pairs itself (never kept in the repository): ea
 sentences joined, drawn by a seeded generator (about 26 words a line, 270 MB of text per million pairs), with
 a valid set of 3000 such pairs. `dsmt prepare` runs on it as a child process, whose peak resident memory is
 read with getrusage. Then `--train-steps` steps of the Multi30k recipe's model (2 CPU ranks) run on the largest
-prepared directory and on Multi30k, and it prints the time from launch to the first logged step and rank 0's
-peak RSS for both.
+prepared directory, and it prints the time from launch to the first logged step and rank 0's
+peak RSS, next to the smallest generated corpus (the same sentence lengths, so the same activations) and
+Multi30k (sentences half as long).
 """
 
 import argparse
@@ -60,10 +61,23 @@ def prepare(corpus: Path, out: Path, args) -> tuple[float, float]:
     return child_peak_rss_mb(command)
 
 
-def first_step(data: Path, out: Path, steps: int) -> tuple[float, float]:
-    """Seconds from launch to the first logged step, and rank 0's peak RSS (MB), on 2 CPU ranks."""
+def private_mb(pid: int) -> float:
+    """A process's anonymous resident memory: RSS without the page cache of files it maps (its data arrays)."""
+    try:
+        status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    except OSError:
+        return 0.0
+    return int(status.get("RssAnon", "0 kB").split()[0]) / 1024
+
+
+def first_step(data: Path, out: Path, steps: int) -> tuple[float, float, float]:
+    """Seconds from launch to the first logged step, rank 0's peak RSS and its largest sampled private memory
+    (MB), on 2 CPU ranks."""
+    import psutil
+
     from dsmt.engine import free_port
 
+    shutil.rmtree(out, ignore_errors=True)
     command = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
                "launch/train.py", "--config", "launch/configs/multi30k_en_de.yaml", f"data.dir={data}",
                f"train.output_dir={out}", f"train.max_steps={steps}", "train.max_minutes=0", "train.log_interval=1",
@@ -71,15 +85,17 @@ def first_step(data: Path, out: Path, steps: int) -> tuple[float, float]:
     start, log = time.time(), out / "train_log.jsonl"
     job = subprocess.Popen(command, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    seconds = None
+    seconds, private = None, 0.0
     while job.poll() is None:
         if seconds is None and log.is_file() and '"kind": "train"' in log.read_text():
             seconds = time.time() - start
+        rank0 = [p.pid for p in psutil.Process(job.pid).children(recursive=True) if "--local_rank=0" in p.cmdline()]
+        private = max([private] + [private_mb(pid) for pid in rank0])
         time.sleep(0.2)
     if job.returncode:
         raise SystemExit(f"training on {data} failed:\n{job.stderr.read()[-2000:]}")
     records = [json.loads(line) for line in log.read_text().splitlines()]
-    return seconds, max(r["peak_rss_mb"] for r in records if r["kind"] == "train")
+    return seconds, max(r["peak_rss_mb"] for r in records if r["kind"] == "train"), private
 
 
 def main() -> None:
@@ -110,10 +126,12 @@ def main() -> None:
     multi30k = work / "data_multi30k"
     subprocess.run([sys.executable, "-m", "dsmt.cli", "prepare", "multi30k", "--out", str(multi30k)], cwd=REPO,
                    check=True, stdout=subprocess.DEVNULL)
-    print("\n| data | seconds to first step | rank 0 peak RSS MB |\n| --- | ---: | ---: |")
-    for name, data in ((prepared.name, prepared), ("multi30k", multi30k)):
-        seconds, rss = first_step(data, work / f"run_{name}", args.train_steps)
-        print(f"| {name} | {seconds:.0f} | {rss:,.0f} |", flush=True)
+    print("\n| data | seconds to first step | rank 0 peak RSS MB | rank 0 private (anonymous) MB |\n"
+          "| --- | ---: | ---: | ---: |")
+    smallest = work / f"data_{min(int(n) for n in args.pairs.split(','))}"  # the same sentence lengths
+    for name, data in ((prepared.name, prepared), (smallest.name, smallest), ("multi30k", multi30k)):
+        seconds, rss, private = first_step(data, work / f"run_{name}", args.train_steps)
+        print(f"| {name} | {seconds:.0f} | {rss:,.0f} | {private:,.0f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -173,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--max-len", type=int, default=250, help="drop training pairs longer than this (subwords)")
     prepare.add_argument("--max-ratio", type=float, default=3.0, help="drop training pairs with a longer length ratio")
     prepare.add_argument("--spm-sample", type=int, metavar="N",
-                         help="train sentencepiece on N training pairs drawn at random (default: 500000)")
+                         help="train sentencepiece on N training pairs drawn at random (default: 200000)")
     prepare.add_argument("--raw-dir", help="multi30k: folder with the raw .gz files (default: ../shared/data/multi30k); "
                                            "wmt14: folder with its archives (default: download them)")
     prepare.add_argument("--url", help="multi30k: base URL to download the raw files from")

@@ -29,14 +29,21 @@ class ParallelData:
         if len(self.src_offsets) < 2:
             raise DsmtError(f"{data_dir}: split {split!r} holds no sentence pair; prepare the data again with a "
                             "non-empty file for it")
-        # 4 bytes a sentence: a rank's memory for them is 36 MB at WMT14 En-De's 4.5M pairs.
-        self.src_lens = (np.diff(self.src_offsets) + 1).astype(np.int32)  # + EOS
-        self.tgt_lens = (np.diff(self.tgt_offsets) + 1).astype(np.int32)  # + BOS on the input side, + EOS on the output
+        self.src_lens = self._lengths(self.src_offsets)  # + EOS
+        self.tgt_lens = self._lengths(self.tgt_offsets)  # + BOS on the input side, + EOS on the output side
 
     @staticmethod
     def _load(folder: Path, stem: str):
         return (np.load(folder / f"{stem}.ids.npy", mmap_mode="r"),
                 np.load(folder / f"{stem}.offsets.npy", mmap_mode="r"))
+
+    @staticmethod
+    def _lengths(offsets) -> np.ndarray:
+        """Tokens per sentence + 1, as int32 straight from the offsets: 18 MB at WMT14 En-De's 4.5M pairs,
+        with no int64 copy on the way."""
+        lengths = np.subtract(offsets[1:], offsets[:-1], dtype=np.int32)
+        lengths += 1
+        return lengths
 
     def __len__(self) -> int:
         return len(self.src_lens)

@@ -41,7 +41,7 @@ class PrepareOptions:
     model_type: str = "unigram"  # or "bpe"
     max_len: int = 250  # subword tokens per side, training pairs only
     max_ratio: float = 3.0  # longer side / shorter side, training pairs only
-    spm_sample: int = 500_000  # training pairs sentencepiece learns from (both sides for a joint model)
+    spm_sample: int = 200_000  # training pairs sentencepiece learns from (both sides for a joint model): ~1.3 GB
 
 
 CHUNK_PAIRS = 20_000  # pairs encoded at once, on all cores (their ids as Python lists: ~50 MB)
