@@ -417,25 +417,25 @@ def test_sentencepiece_learns_from_a_sample_of_the_requested_size(tmp_path, monk
 
 @pytest.fixture(scope="module")
 def scale_table(tmp_path_factory):
-    """benchmarks/prepare_scale.py on 200k and 800k generated pairs (prepare only)."""
+    """benchmarks/prepare_scale.py on 100k and 400k generated pairs (prepare only)."""
     if not (MULTI30K / "train.en.gz").exists():
         pytest.skip(f"Multi30k raw files not found in {MULTI30K}")
     work = tmp_path_factory.mktemp("scale")
-    result = subprocess.run([PYTHON, "benchmarks/prepare_scale.py", "--pairs", "200000,800000", "--vocab-size", "2000",
+    result = subprocess.run([PYTHON, "benchmarks/prepare_scale.py", "--pairs", "100000,400000", "--vocab-size", "2000",
                              "--spm-sample", "20000", "--train-steps", "0", "--work", str(work)], cwd=REPO,
                             env=run_env(), capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = [line.strip("|").split("|") for line in result.stdout.splitlines() if line.startswith("| 2") or line.startswith("| 8")]
+    rows = [line.strip("|").split("|") for line in result.stdout.splitlines() if line.startswith("| 1") or line.startswith("| 4")]
     return work, {int(r[0].replace(",", "")): (float(r[1]), float(r[3].replace(",", ""))) for r in rows}
 
 
 @pytest.mark.slow
 def test_prepare_memory_does_not_grow_with_the_corpus(scale_table):
     work, table = scale_table
-    (_, small), (_, large) = table[200_000], table[800_000]
+    (_, small), (_, large) = table[100_000], table[400_000]
     assert large < 1.2 * small, table  # 4x the pairs, not 4x the memory
-    meta = json.loads((work / "data_800000" / "meta.json").read_text())
-    assert meta["splits"]["train"]["raw_pairs"] == 800_000
+    meta = json.loads((work / "data_400000" / "meta.json").read_text())
+    assert meta["splits"]["train"]["raw_pairs"] == 400_000
 
 
 @pytest.mark.slow
@@ -444,7 +444,7 @@ def test_prepare_killed_mid_encoding_leaves_nothing_that_looks_complete_and_reru
     import time
 
     work, _ = scale_table
-    corpus, out = work / "corpus_800000", tmp_path / "out"
+    corpus, out = work / "corpus_400000", tmp_path / "out"
     command = [PYTHON, "-m", "dsmt.cli", "prepare", "--train", str(corpus / "train"), "--valid", str(corpus / "valid"),
                "--vocab-size", "2000", "--spm-sample", "20000", "--out", str(out)]
     job = subprocess.Popen(command, cwd=REPO, env=run_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -457,7 +457,7 @@ def test_prepare_killed_mid_encoding_leaves_nothing_that_looks_complete_and_reru
     assert not out.exists() and list(tmp_path.glob(".out.tmp-*"))  # the staging folder, never the target
     rerun = subprocess.run(command, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=900)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
-    assert json.loads((out / "meta.json").read_text())["splits"]["train"]["raw_pairs"] == 800_000
+    assert json.loads((out / "meta.json").read_text())["splits"]["train"]["raw_pairs"] == 400_000
     assert not list(tmp_path.glob(".out.tmp-*"))  # the dead run's staging folder is gone
 
 
