@@ -89,8 +89,12 @@ def first_step(data: Path, out: Path, steps: int) -> tuple[float, float, float]:
     while job.poll() is None:
         if seconds is None and log.is_file() and '"kind": "train"' in log.read_text():
             seconds = time.time() - start
-        rank0 = [p.pid for p in psutil.Process(job.pid).children(recursive=True) if "--local_rank=0" in p.cmdline()]
-        private = max([private] + [private_mb(pid) for pid in rank0])
+        for process in psutil.Process(job.pid).children(recursive=True):
+            try:
+                if "--local_rank=0" in process.cmdline():
+                    private = max(private, private_mb(process.pid))
+            except psutil.Error:  # ended meanwhile
+                pass
         time.sleep(0.2)
     if job.returncode:
         raise SystemExit(f"training on {data} failed:\n{job.stderr.read()[-2000:]}")
@@ -105,14 +109,16 @@ def main() -> None:
     parser.add_argument("--spm-sample", type=int, help="passed to dsmt prepare (default: its own)")
     parser.add_argument("--work", default="/tmp/dsmt_prepare_scale", help="where corpora and data dirs go")
     parser.add_argument("--train-steps", type=int, default=2, help="0: prepare only")
+    parser.add_argument("--train-only", action="store_true", help="reuse the data dirs an earlier run left in --work")
     args = parser.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     sentences, valid = multi30k_pairs("train"), multi30k_pairs("val")
 
     print("| pairs | wall s | pairs/s | peak RSS MB |\n| ---: | ---: | ---: | ---: |", flush=True)
-    prepared = None
-    for pairs in (int(n) for n in args.pairs.split(",")):
+    sizes = [int(n) for n in args.pairs.split(",")]
+    prepared = work / f"data_{sizes[-1]}"
+    for pairs in [] if args.train_only else sizes:
         corpus = work / f"corpus_{pairs}"
         corpus.mkdir(exist_ok=True)
         write_corpus(corpus / "train", sentences, pairs, seed=pairs)
@@ -128,7 +134,7 @@ def main() -> None:
                    check=True, stdout=subprocess.DEVNULL)
     print("\n| data | seconds to first step | rank 0 peak RSS MB | rank 0 private (anonymous) MB |\n"
           "| --- | ---: | ---: | ---: |")
-    smallest = work / f"data_{min(int(n) for n in args.pairs.split(','))}"  # the same sentence lengths
+    smallest = work / f"data_{min(sizes)}"  # the same sentence lengths
     for name, data in ((prepared.name, prepared), (smallest.name, smallest), ("multi30k", multi30k)):
         seconds, rss, private = first_step(data, work / f"run_{name}", args.train_steps)
         print(f"| {name} | {seconds:.0f} | {rss:,.0f} | {private:,.0f} |", flush=True)

@@ -38,10 +38,17 @@ class ParallelData:
                 np.load(folder / f"{stem}.offsets.npy", mmap_mode="r"))
 
     @staticmethod
-    def _lengths(offsets) -> np.ndarray:
-        """Tokens per sentence + 1, as int32 straight from the offsets: 18 MB at WMT14 En-De's 4.5M pairs,
-        with no int64 copy on the way."""
-        lengths = np.subtract(offsets[1:], offsets[:-1], dtype=np.int32)
+    def _lengths(offsets: np.memmap, block: int = 1 << 20) -> np.ndarray:
+        """Tokens per sentence + 1, as int32 (18 MB at WMT14 En-De's 4.5M pairs). The offsets are read from
+        the file a block at a time, not through their memory map, which would keep all of them resident."""
+        lengths = np.empty(len(offsets) - 1, np.int32)
+        with open(offsets.filename, "rb") as f:
+            f.seek(offsets.offset)
+            previous = np.fromfile(f, np.int64, count=1)
+            for start in range(0, len(lengths), block):
+                ends = np.fromfile(f, np.int64, count=min(block, len(lengths) - start))
+                lengths[start:start + len(ends)] = np.diff(ends, prepend=previous)
+                previous = ends[-1:]
         lengths += 1
         return lengths
 
