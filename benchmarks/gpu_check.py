@@ -1,72 +1,108 @@
-"""One GPU's training speed: transformer_big on synthetic token batches, through dsmt's engine set-up.
+"""Training speed of the real Trainer on WMT-shaped token batches: tokens/s per GPU, MFU and peak memory.
 
-Run by benchmarks/gpu_check.sh (under `deepspeed --num_gpus 1`). Prints tokens/s, model FLOPs
-utilization (FLOPs as in benchmarks/flops.py) and peak memory. On a CPU it runs too (no MFU).
+Run by benchmarks/gpu_check.sh under the deepspeed launcher, on a data directory it prepared. Each timed step
+is ``Trainer.train_step`` as `dsmt train` runs it: batches built ahead from the memory-mapped data, host-to-device
+copies, the fused loss, the all-reduces and the optimizer DeepSpeed builds from the ds_config. Warm-up steps are
+excluded, and peak memory is counted from the end of warm-up. On a CPU it runs too (no MFU), so that it cannot rot.
 """
 
 import argparse
+import json
+import tempfile
 import time
 
 import torch
+import torch.distributed as dist
 
 from dsmt.config import load_config
-from dsmt.engine import build_engine, close_distributed, init_distributed
-from dsmt.model import Transformer
-from flops import parameter_counts, step_flops
+from dsmt.train import NEXT_SRC_TOKENS, NEXT_TGT_TOKENS, Trainer
+from flops import numel, parameter_counts, step_flops
 
-# Dense bf16 tensor-core peaks (no sparsity), from NVIDIA's data sheets.
-PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
+# Dense (no sparsity) bf16/fp16 tensor-core peaks per GPU from NVIDIA's data sheets, by device name: the first
+# entry contained in torch.cuda.get_device_name() wins, so the specific forms come before the general ones.
+PEAK_TFLOPS = [("GH200", 989.4), ("H200 NVL", 835.5), ("H200", 989.4), ("H100 PCIe", 756.5), ("H100 NVL", 835.5),
+               ("H100", 989.4),  # "NVIDIA H100 80GB HBM3": the SXM form
+               ("A100", 312.0), ("L40S", 362.1), ("A10G", 70.0)]
+
+
+def peak_tflops(name: str) -> float | None:
+    return next((peak for key, peak in PEAK_TFLOPS if key in name), None)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--deepspeed_config", default="ds_configs/zero0.json")
+    parser.add_argument("--data", required=True, help="a prepared data directory (gpu_check.sh makes one)")
+    parser.add_argument("--deepspeed_config", default="ds_configs/zero2.json")
     parser.add_argument("--preset", default="transformer_big")
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--batch", type=int, default=256, help="sentences per step")
-    parser.add_argument("--length", type=int, default=64, help="source and target tokens per sentence")
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--precision", default="bf16")
+    parser.add_argument("--max-tokens", type=int, default=8192, help="data.max_tokens: tokens per GPU micro-batch")
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--result", help="write this run's figures here (JSON)")
+    parser.add_argument("--baseline", help="the 1-GPU run's --result: prints the scaling efficiency")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="more config overrides")
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # from the deepspeed launcher
     args = parser.parse_args()
 
-    cfg = load_config(overrides=[f"model.preset={args.preset}", f"model.vocab_size={args.vocab}",
-                                 f"train.deepspeed_config={args.deepspeed_config}", f"train.precision={args.precision}",
-                                 "train.warmup_steps=1000", "model.dropout=0.1"])
-    _, world, _ = init_distributed(cfg.train.dist_timeout_minutes)
-    torch.manual_seed(0)
-    model = Transformer(cfg.model)
-    params = parameter_counts(model)
-    engine, _ = build_engine(model, cfg, world)  # torch_adam "auto": PyTorch's fused Adam, nothing to compile
-    device = engine.device
-    shape = (args.batch, args.length)
-    src = torch.randint(4, args.vocab, shape, device=device)
-    tgt = torch.randint(4, args.vocab, (args.batch, args.length + 1), device=device)
-    flops = step_flops(cfg.model, params, args.batch, args.length, args.length)
+    with tempfile.TemporaryDirectory() as out:
+        cfg = load_config(overrides=[f"data.dir={args.data}", f"train.output_dir={out}", "train.resume=none",
+                                     f"model.preset={args.preset}", f"train.deepspeed_config={args.deepspeed_config}",
+                                     f"train.precision={args.precision}", f"data.max_tokens={args.max_tokens}",
+                                     "train.warmup_steps=4000", *args.overrides])
+        trainer = Trainer(cfg)
+        row = measure(trainer, args)
+        trainer.batches.close()
+    if trainer.rank == 0:
+        report(row, args)
+
+
+def measure(trainer: Trainer, args) -> dict:
+    device, model = trainer.engine.device, trainer.engine.module
+    counts = parameter_counts(model)
 
     def synchronize():
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    for step in range(args.warmup + args.steps):
-        if step == args.warmup:
-            synchronize()
-            start = time.perf_counter()
-        loss, _ = engine(src, tgt[:, :-1], tgt[:, 1:], 0.1)
-        engine.backward(loss / tgt[:, 1:].numel())
-        engine.step()
+    trainer.begin()
+    for _ in range(args.warmup):
+        trainer.train_step()
     synchronize()
-    seconds = (time.perf_counter() - start) / args.steps
-    tokens = 2 * args.batch * args.length / seconds
-    achieved = flops / seconds / 1e12
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    flops, tokens, start = 0.0, 0.0, time.perf_counter()
+    for _ in range(args.steps):
+        # Model FLOPs of this rank's micro-batches, padded shapes (benchmarks/flops.py's convention).
+        flops += sum(step_flops(trainer.cfg.model, counts, b["src"].size(0), b["src"].size(1), b["tgt_in"].size(1))
+                     for b, _ in trainer.next_micro)
+        totals = trainer.train_step()["totals"]  # all ranks' source + target tokens of this step
+        tokens += totals[NEXT_SRC_TOKENS] + totals[NEXT_TGT_TOKENS]
+    synchronize()
+    seconds = time.perf_counter() - start
+    summed = torch.tensor([flops], dtype=torch.float64, device=device)
+    dist.all_reduce(summed)
+    world = trainer.world
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
-    memory = f"{torch.cuda.max_memory_allocated() / 2 ** 30:.1f} GiB" if device.type == "cuda" else "n/a"
-    mfu = f"{achieved / peak:.1%}" if peak else "n/a (unknown peak)"
-    print(f"| {name} | {args.preset} {sum(params.values()) / 1e6:.0f}M | {args.deepspeed_config} | {args.precision} "
-          f"| {args.batch}×{args.length} | {tokens:,.0f} | {achieved:.1f} TFLOP/s | {mfu} | {memory} |", flush=True)
-    close_distributed()
+    return {"device": name, "gpus": world, "ds_config": args.deepspeed_config, "precision": trainer.precision,
+            "model": f"{args.preset} {sum(map(numel, model.parameters())) / 1e6:.1f}M",
+            "tokens_per_s_per_gpu": tokens / seconds / world, "tflops_per_gpu": summed.item() / seconds / world / 1e12,
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else None}
+
+
+def report(row: dict, args) -> None:
+    peak = peak_tflops(row["device"])
+    mfu = f"{row['tflops_per_gpu'] / peak:.1%}" if peak else "n/a (unknown peak)"
+    memory = f"{row['peak_memory_gib']:.1f} GiB" if row["peak_memory_gib"] is not None else "n/a"
+    scaling = "–"
+    if args.baseline:
+        single = json.load(open(args.baseline))["tokens_per_s_per_gpu"]
+        scaling = f"{row['tokens_per_s_per_gpu'] / single:.1%}"
+    print(f"| {row['device']} | {row['gpus']} | {row['model']} | {row['ds_config']} | {row['precision']} "
+          f"| {args.max_tokens} | {row['tokens_per_s_per_gpu']:,.0f} | {row['tflops_per_gpu']:.1f} | {mfu} "
+          f"| {memory} | {scaling} |", flush=True)
+    if args.result:
+        with open(args.result, "w") as f:
+            json.dump(row, f)
 
 
 if __name__ == "__main__":

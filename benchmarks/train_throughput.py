@@ -81,12 +81,14 @@ def baseline_step(model, pad):
     return step
 
 
-def dsmt_step(trainer):
-    """dsmt's own training step (loss over the global batch's tokens, engine.backward/step) fed the given batch."""
-    def step(batch):
-        trainer.stream = iter([batch])
-        trainer.train_step()
-    return step
+def dsmt_step(trainer, batches):
+    """dsmt's own training step (loss over the global batch's tokens, engine.backward/step) on ``batches`` in
+    turn: they replace its prefetched stream, prepared as its prefetch thread prepares them."""
+    trainer.batches.close()
+    prepared = [(trainer._host_batch(batch), None) for batch in batches]
+    trainer.batches = iter(prepared + prepared[:1])  # a step also fetches the next step's batches
+    trainer.begin()
+    return lambda batch: trainer.train_step()
 
 
 def matmul_step(a, b):
@@ -146,7 +148,7 @@ def main():
                                                m.d_ff, m.dropout, pad)
         square = torch.randn(MATMUL_SIZE, MATMUL_SIZE)
         steps = {"baseline": baseline_step(baseline(), pad), "baseline_tutorial": baseline_step(baseline(), pad),
-                 "dsmt": dsmt_step(trainer), "matmul": matmul_step(square, square)}
+                 "dsmt": dsmt_step(trainer, bucketed), "matmul": matmul_step(square, square)}
         batches = {"baseline": bucketed, "baseline_tutorial": tutorial, "dsmt": bucketed, "matmul": [None] * count}
         seconds = take_turns(steps, batches, args.warmup, count)
         model = trainer.engine.module

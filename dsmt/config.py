@@ -82,6 +82,7 @@ class TrainConfig:
     # a collective waiting longer than this fails with the step it was in
     dist_timeout_minutes: float = ranged(30.0, 0.0, low_open=True)
     deterministic: bool = False  # deterministic kernels only (GPUs: slower; CPU runs are deterministic anyway)
+    tf32: bool = True  # fp32 matmuls on TF32 tensor cores (CUDA; no effect on a CPU)
 
 
 @dataclass

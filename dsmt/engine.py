@@ -99,6 +99,7 @@ def fill_ds_config(ds: dict, train_cfg, world_size: int, path: str, caps) -> dic
     for kind in ("fp16", "bf16"):
         ds.setdefault(kind, {})["enabled"] = kind == precision
     _fill_gradient_dtypes(ds, precision, path)
+    _fill_device_settings(ds, caps[0])
     ds.setdefault("steps_per_print", 10 ** 9)  # dsmt logs itself
     leftover = [key for key, value in _walk(ds) if value == AUTO]
     if leftover:
@@ -124,6 +125,34 @@ def _fill_gradient_dtypes(ds: dict, precision: str, path: str) -> None:
     if types.get("grad_accum_dtype") == "fp32" and precision == "bf16" and stage == 0:
         raise DsmtError(f'{path}: data_types.grad_accum_dtype=fp32 with bf16 needs ZeRO stage >= 1 in DeepSpeed; '
                         'use "auto" or a zero1/zero2/zero3 config')
+
+
+# "auto" ZeRO settings by device: (CPU, GPU). On GPUs DeepSpeed's recommended values: parameters under 100k
+# elements (biases, LayerNorms) stay whole on every rank instead of being gathered for each use; ZeRO-2
+# overlaps its gradient reduction with backward; offloaded tensors sit in pinned memory for asynchronous
+# copies. On a CPU there is nothing to overlap or pin, and the tests measure ZeRO-3's partitioning of every
+# parameter.
+DEVICE_SETTINGS = {"stage3_param_persistence_threshold": (0, 100_000), "overlap_comm": (False, True)}
+
+
+def _fill_device_settings(ds: dict, device: str) -> None:
+    zero = ds.get("zero_optimization", {})
+    on_gpu = device != "cpu"
+    for key, values in DEVICE_SETTINGS.items():
+        if zero.get(key) == AUTO:
+            zero[key] = values[on_gpu]
+    for offload in ("offload_optimizer", "offload_param"):
+        if zero.get(offload, {}).get("pin_memory") == AUTO:
+            zero[offload]["pin_memory"] = on_gpu
+
+
+def allow_tf32(enabled: bool) -> None:
+    """fp32 matmuls on TF32 tensor cores (10-bit mantissa inputs, fp32 accumulation): several times the fp32
+    rate on Ampere and later GPUs, which PyTorch leaves off by default. CUDA only: a CPU keeps full fp32."""
+    import torch
+
+    if enabled and torch.cuda.is_available():
+        torch.set_float32_matmul_precision("high")
 
 
 HOSTFILE_LINE = re.compile(r"^(\S+)\s+slots=(\d+)$")

@@ -7,9 +7,16 @@ parallel wrapper (DataParallel, DDP, ZeRO) sees exactly the masks its own rows n
 Sequences are right-padded. In the decoder, causality alone then hides target padding from every
 real position, so decoder self-attention needs no padding mask and takes SDPA's ``is_causal`` path,
 and the decoder's position-wise layers skip the padding altogether (``TokenRows``).
+
+Whoever builds a batch may also hand ``forward`` a ``Padding``: what it knew on the host about that batch's
+padding. A batch without source padding then reaches SDPA with ``attn_mask=None`` (the only form FlashAttention
+takes), and nothing in the step waits for the GPU to answer a data-dependent question.
 """
 
 import math
+from dataclasses import dataclass
+
+import numpy as np
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +36,43 @@ def key_padding_mask(tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
     return keep[:, None, None, :]
 
 
+@dataclass(frozen=True)
+class Padding:
+    """The padding of one right-padded batch, known on the host where the batch was built from its lengths.
+
+    Without it, ``forward`` finds the same from the tokens: on a GPU each ``nonzero`` there makes the host wait
+    for the device. It describes exactly one batch: a part of it (a parallel wrapper's split) has another shape,
+    and ``forward`` then ignores it and reads the part's own tokens, so every split stays correct.
+    """
+
+    src_shape: tuple[int, int]
+    tgt_shape: tuple[int, int]
+    src_padded: bool  # any source position is padding: the encoder and cross-attention need a mask
+    tgt_real: torch.Tensor  # flat indices of the target's real positions
+    tgt_padding: torch.Tensor  # and of its padding
+
+    @classmethod
+    def of_lengths(cls, src_lengths, tgt_lengths, src_width: int, tgt_width: int) -> "Padding":
+        """From each row's real token count and the padded widths."""
+        src_lengths, tgt_lengths = np.asarray(src_lengths), np.asarray(tgt_lengths)
+        real = (np.arange(tgt_width)[None, :] < tgt_lengths[:, None]).ravel()
+        return cls((len(src_lengths), src_width), (len(tgt_lengths), tgt_width), bool((src_lengths < src_width).any()),
+                   torch.from_numpy(np.flatnonzero(real)), torch.from_numpy(np.flatnonzero(~real)))
+
+    def to(self, device, non_blocking: bool = False) -> "Padding":
+        return Padding(self.src_shape, self.tgt_shape, self.src_padded,
+                       self.tgt_real.to(device, non_blocking=non_blocking),
+                       self.tgt_padding.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> "Padding":
+        return Padding(self.src_shape, self.tgt_shape, self.src_padded, self.tgt_real.pin_memory(),
+                       self.tgt_padding.pin_memory())
+
+
+def describes(padding: Padding | None, shape: tuple, side: str) -> bool:
+    return padding is not None and getattr(padding, f"{side}_shape") == tuple(shape)
+
+
 class TokenRows:
     """The real tokens of a right-padded ``[B, T]`` batch as rows ``[N, ...]``, and back.
 
@@ -36,9 +80,13 @@ class TokenRows:
     nothing; attention unpacks its projections to ``[B, T]`` for SDPA, with zeros at padding.
     """
 
-    def __init__(self, tokens: torch.Tensor, pad_id: int):
-        keep = tokens.flatten() != pad_id
-        self.shape, self.real, self.padding = tokens.shape, keep.nonzero().squeeze(1), (~keep).nonzero().squeeze(1)
+    def __init__(self, tokens: torch.Tensor, pad_id: int, padding: Padding | None = None):
+        self.shape = tokens.shape
+        if describes(padding, tokens.shape, "tgt"):
+            self.real, self.padding = padding.tgt_real, padding.tgt_padding
+        else:
+            keep = tokens.flatten() != pad_id
+            self.real, self.padding = keep.nonzero().squeeze(1), (~keep).nonzero().squeeze(1)
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         return x.flatten(0, 1).index_select(0, self.real)
@@ -262,9 +310,15 @@ class Transformer(nn.Module):
         x = table(tokens)
         return self.embed_dropout(x * self.embed_scale + positions.to(x.dtype))
 
-    def encode(self, src_tokens: torch.Tensor) -> torch.Tensor:
+    def _source_mask(self, src_tokens: torch.Tensor, padding: Padding | None):
+        """None for a batch known to hold no source padding (FlashAttention-eligible), else the key mask."""
+        if describes(padding, src_tokens.shape, "src") and not padding.src_padded:
+            return None
+        return key_padding_mask(src_tokens, self.pad_id)
+
+    def encode(self, src_tokens: torch.Tensor, padding: Padding | None = None) -> torch.Tensor:
         """``[B, S]`` source ids → encoder memory ``[B, S, d_model]``."""
-        src_mask = key_padding_mask(src_tokens, self.pad_id)
+        src_mask = self._source_mask(src_tokens, padding)
         x = self._embed(self.src_embed, src_tokens)
         for layer in self.encoder_layers:
             x = layer(x, src_mask)
@@ -276,7 +330,7 @@ class Transformer(nn.Module):
 
     def decode(self, tgt_tokens: torch.Tensor, memory: torch.Tensor, src_tokens: torch.Tensor,
                cache: list[dict] | None = None, targets: torch.Tensor | None = None,
-               label_smoothing: float = 0.0):
+               label_smoothing: float = 0.0, padding: Padding | None = None):
         """``[B, T]`` target-side inputs, the memory of ``src_tokens`` → logits ``[B, T, vocab]`` (zeros at
         padding); given ``targets`` ``[B, T]``, (label-smoothed loss, nll) summed over their non-pad positions
         instead.
@@ -284,12 +338,12 @@ class Transformer(nn.Module):
         With a ``cache`` (from ``empty_cache``), ``tgt_tokens`` holds only the tokens after those already
         cached: the whole prefix on the first call, then one token per step.
         """
-        src_mask = key_padding_mask(src_tokens, self.pad_id)
+        src_mask = self._source_mask(src_tokens, padding)
         start = cache[0]["self"]["k"].size(2) if cache and "k" in cache[0]["self"] else 0
         x = self._embed(self.tgt_embed, tgt_tokens, start)
         # A whole target at once (no cache): its padding, hidden by causality, is skipped. Cached steps keep
         # every row, so that each row's cache grows by one.
-        rows = TokenRows(tgt_tokens, self.pad_id) if cache is None else None
+        rows = TokenRows(tgt_tokens, self.pad_id, padding) if cache is None else None
         if rows is not None:
             x, targets = rows.pack(x), targets if targets is None else rows.pack(targets)
         for i, layer in enumerate(self.decoder_layers):
@@ -298,7 +352,8 @@ class Transformer(nn.Module):
         return out if rows is None or targets is not None else rows.unpack(out)
 
     def forward(self, src_tokens: torch.Tensor, tgt_tokens: torch.Tensor, targets: torch.Tensor | None = None,
-                label_smoothing: float = 0.0):
-        """Logits, or with ``targets`` the training loss sums (see ``decode``)."""
-        return self.decode(tgt_tokens, self.encode(src_tokens), src_tokens, targets=targets,
-                           label_smoothing=label_smoothing)
+                label_smoothing: float = 0.0, padding: Padding | None = None):
+        """Logits, or with ``targets`` the training loss sums (see ``decode``); ``padding`` describes the batch
+        (optional, see ``Padding``)."""
+        return self.decode(tgt_tokens, self.encode(src_tokens, padding), src_tokens, targets=targets,
+                           label_smoothing=label_smoothing, padding=padding)

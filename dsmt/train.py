@@ -1,7 +1,11 @@
 """The training loop: get batches, forward, backward, step, log, maybe validate, maybe save.
 
-It knows the model only through its forward (loss sums given the targets, logits for greedy validation)
-and its config; DeepSpeed only through the engine; data only through ``BatchStream``.
+It knows the model only through its forward (loss sums given the targets, logits for greedy validation), the
+``Padding`` it may be told, and its config; DeepSpeed only through the engine; data only through ``BatchStream``.
+
+On a GPU the host queues work ahead of the device and must not wait for it inside a step: token counts come
+from the lengths on the host, batches are built ahead in a thread into pinned memory, and the step's one
+all-reduce (loss sums, stop flags, the next step's token counts) is read a step later, when it is long done.
 """
 
 import ctypes
@@ -23,12 +27,15 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from dsmt import DsmtError, checkpoint, faults
-from dsmt.data.batching import BatchStream, ParallelData, epoch_batches, shard
+from dsmt.data.batching import BatchStream, ParallelData, Prefetcher, epoch_batches
 from dsmt.data.prepare import load_meta
 from dsmt.decode import cached_logits, greedy, max_output_length
-from dsmt.engine import (build_engine, close_distributed, gradient_bytes, init_distributed, optimizer_description,
-                         partitioned_bytes, read_ds_config, zero_stage)
-from dsmt.model import Transformer
+from dsmt.engine import (allow_tf32, build_engine, close_distributed, gradient_bytes, init_distributed,
+                         optimizer_description, partitioned_bytes, read_ds_config, zero_stage)
+from dsmt.model import Padding, Transformer
+
+# Layout of the step's all-reduced vector: this step's sums, stop flags, then the next step's token counts.
+LOSS, NLL, SIGNALLED, OUT_OF_TIME, NEXT_SRC_TOKENS, NEXT_TGT_TOKENS = range(6)
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
@@ -78,6 +85,23 @@ def fill_model_config(cfg, meta: dict, data_dir: str) -> None:
                         "--separate-vocab; set model.share_embeddings=false")
 
 
+class HostCopy:
+    """A device tensor's values on their way to the host: the copy is queued behind the work that produced them,
+    and ``values()`` waits for that copy only, not for whatever the device was given after it."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.host = tensor.to("cpu", non_blocking=True)  # into pinned memory when it comes from a GPU
+        self.copied = None
+        if tensor.device.type == "cuda":
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+
+    def values(self) -> list[float]:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host.tolist()
+
+
 def check_lengths(data: ParallelData, split: str, cfg) -> None:
     """Before step 1, not at the first validation: every pair of ``split`` fits a batch and the model."""
     lengths = np.maximum(data.src_lens, data.tgt_lens)  # with EOS (source, target output) or BOS (target input)
@@ -98,10 +122,11 @@ class Trainer:
         self.activity = "start-up"  # what this rank is doing, for the message when a collective times out
         use_deterministic_kernels(cfg.train.deterministic)
         self.rank, self.world, local_world = init_distributed(cfg.train.dist_timeout_minutes)
+        allow_tf32(cfg.train.tf32)
         torch.set_num_threads(cfg.train.threads or max(1, (os.cpu_count() or 1) // local_world))
         keep_freed_memory()
         checkpoint.check_output_dir(cfg.train.output_dir)
-        meta = load_meta(cfg.data.dir)
+        self.meta = meta = load_meta(cfg.data.dir)
         fill_model_config(cfg, meta, cfg.data.dir)
         self.pad, self.bos, self.eos = (meta["specials"][k] for k in ("pad", "bos", "eos"))
         self.train_data = ParallelData(cfg.data.dir, "train")
@@ -122,14 +147,20 @@ class Trainer:
             print(f"optimizer: {optimizer_description(self.engine)}", flush=True)
         self.accumulation = ds_config["gradient_accumulation_steps"]
         self.precision = next((k for k in ("fp16", "bf16") if ds_config[k]["enabled"]), "fp32")
-        self.stream = BatchStream(self.train_data, cfg.data.max_tokens, cfg.train.seed, self.rank, self.world)
+        self.pin_memory = self.engine.device.type == "cuda"
+        stream = BatchStream(self.train_data, cfg.data.max_tokens, cfg.train.seed, self.rank, self.world)
         self.step, self.best_bleu, self.minutes_before, self.grad_bytes = 0, -1.0, 0.0, None
+        self.valid_bleu = {}  # step -> valid BLEU, this run's validations
         self.skipped_steps, self.skips_in_a_row, self.stop_signal = 0, 0, None
         state = checkpoint.load(self.engine, source) if source else None
         if state:
             self.step, self.best_bleu, self.minutes_before = state["step"], state["best_bleu"], state["train_minutes"]
             self.skipped_steps = state["non_finite_steps"]
-            self.stream.load_state_dict(state["data"])
+            stream.load_state_dict(state["data"])
+        # Batches come (built ahead) with the stream's state after each; a checkpoint stores the state after the
+        # last batch trained on, not after those fetched ahead.
+        self.batches, self.data_state = Prefetcher(stream, self._host_batch, depth=2 * self.accumulation), stream.state_dict()
+        self.next_micro = self.reduced = None  # the next step's (batch, state) pairs, the last step's all-reduce
         self.writer = self.log_file = None
         if self.rank == 0:
             from torch.utils.tensorboard import SummaryWriter
@@ -164,38 +195,66 @@ class Trainer:
         self.stop_signal = signal.Signals(signum).name
         signal.signal(signum, signal.SIG_DFL)
 
-    # ---- collectives ------------------------------------------------------------------------------
-    def _sum(self, values) -> list[float]:
-        total = torch.tensor(values, dtype=torch.float64, device=self.engine.device)
-        dist.all_reduce(total)
-        return total.tolist()
+    # ---- batches and collectives --------------------------------------------------------------------
+    def _host_batch(self, batch: dict) -> dict:
+        """Everything about a batch the host can know, worked out where it is built (the prefetch thread):
+        its padding for the model and its token counts, in pinned memory when bound for a GPU. The sentence
+        indices stay on the host."""
+        tensors = {k: batch[k] for k in ("src", "tgt_in", "tgt_out")}
+        padding = Padding.of_lengths(batch["src_lengths"], batch["tgt_lengths"], tensors["src"].size(1),
+                                     tensors["tgt_in"].size(1))
+        if self.pin_memory:
+            tensors, padding = {k: v.pin_memory() for k, v in tensors.items()}, padding.pin_memory()
+        return {**tensors, "padding": padding, "indices": batch["indices"],
+                "src_tokens": int(batch["src_lengths"].sum()), "tgt_tokens": int(batch["tgt_lengths"].sum())}
 
-    def _all_done(self, local_done: bool) -> bool:
-        return self._sum([0.0 if local_done else 1.0])[0] == 0.0
+    def _device_batch(self, batch: dict) -> dict:
+        device = self.engine.device
+        moved = {k: batch[k].to(device, non_blocking=True) for k in ("src", "tgt_in", "tgt_out")}
+        return {**moved, "padding": batch["padding"].to(device, non_blocking=True)}
 
-    def _to_device(self, batch: dict) -> dict:
-        return {k: v.to(self.engine.device, non_blocking=True) for k, v in batch.items()}
+    def _reduce_step(self, sums: torch.Tensor) -> torch.Tensor:
+        """The one all-reduce of a step: its loss sums, whether any rank was signalled or rank 0 is out of time,
+        and the token counts of the next step's batches, taken from the prefetcher now (they scale its loss)."""
+        self.activity = f"agreeing on the totals of step {self.step}"
+        self.next_micro = [next(self.batches) for _ in range(self.accumulation)]
+        limit = self.cfg.train.max_minutes
+        out_of_time = self.rank == 0 and limit > 0 and self.minutes() >= limit
+        batches = [batch for batch, _ in self.next_micro]
+        local = torch.tensor([float(self.stop_signal is not None), float(out_of_time),
+                              sum(b["src_tokens"] for b in batches), sum(b["tgt_tokens"] for b in batches)],
+                             dtype=torch.float64, pin_memory=self.pin_memory)
+        vector = torch.cat([sums, local.to(self.engine.device, non_blocking=True)])
+        dist.all_reduce(vector)
+        return vector, HostCopy(vector)
 
     # ---- one optimizer step -----------------------------------------------------------------------
+    def begin(self) -> str | None:
+        """Fetch and count the first step's batches; the stop reason if the run must not take a step."""
+        self.reduced = self._reduce_step(torch.zeros(2, dtype=torch.float64, device=self.engine.device))
+        return self._stop_reason(self.reduced[1].values())
+
     def train_step(self) -> dict:
+        """One optimizer step on the batches ``_reduce_step`` fetched and counted; returns its record, whose
+        numbers stay on the device until ``_read`` (log steps only)."""
         self.activity = f"training step {self.step + 1}"
         faults.trigger("kill", self.step + 1, self.rank)
         faults.trigger("hang", self.step + 1, self.rank)
         torch.manual_seed(step_seed(self.cfg.train.seed, self.step, self.rank))
-        micro = [self._to_device(next(self.stream)) for _ in range(self.accumulation)]
-        src_tokens, tgt_tokens = self._sum([sum(int((b["src"] != self.pad).sum()) for b in micro),
-                                            sum(int((b["tgt_out"] != self.pad).sum()) for b in micro)])
+        totals, totals_on_host = self.reduced  # all-reduced at the end of the previous step
         # The update is sum(loss) / target tokens of the global batch, as fairseq does; DeepSpeed averages
         # gradients over ranks and accumulation steps, so multiply that average back out.
-        scale = self.world * self.accumulation / tgt_tokens
+        scale = (self.world * self.accumulation / totals[NEXT_TGT_TOKENS]).float()
         sums, grad_norm, applied = torch.zeros(2, dtype=torch.float64, device=self.engine.device), None, True
-        for batch in micro:
-            loss, nll = self.engine(batch["src"], batch["tgt_in"], batch["tgt_out"], self.cfg.train.label_smoothing)
+        for batch in (self._device_batch(batch) for batch, _ in self.next_micro):
+            loss, nll = self.engine(batch["src"], batch["tgt_in"], batch["tgt_out"], self.cfg.train.label_smoothing,
+                                    padding=batch["padding"])
             if faults.due("nan", self.step + 1, self.rank):
                 loss = loss * float("nan")
             self.engine.backward(loss * scale)
             if self.engine.is_gradient_accumulation_boundary():
                 grad_norm = self._replicated_grad_norm()
+                # The one host wait left in a step, on plain fp32 ZeRO-0 only (the other paths' optimizers check).
                 applied = grad_norm is None or bool(torch.isfinite(grad_norm))
                 if self.grad_bytes is None:  # measured once, for the memory record of the first step
                     self.grad_bytes = gradient_bytes(self.engine)
@@ -205,13 +264,19 @@ class Trainer:
                 with mock.patch.object(self.engine.optimizer, "step", lambda *args, **kwargs: None):
                     self.engine.step()
             sums += torch.stack([loss.detach(), nll.detach()]).double()
-        loss_sum, nll_sum = self._sum(sums.tolist())
-        self.step += 1
-        grad_norm = self.engine.get_global_grad_norm() or grad_norm
+        self.step, self.data_state = self.step + 1, self.next_micro[-1][1]
+        self.reduced = self._reduce_step(sums)
         # ZeRO, bf16 and fp16 optimizers skip a non-finite step themselves (fp16 also lowers its loss scale).
-        return {"loss": loss_sum / tgt_tokens, "nll": nll_sum / tgt_tokens, "tokens": src_tokens + tgt_tokens,
-                "grad_norm": None if grad_norm is None else float(grad_norm),
+        return {"totals": totals_on_host.values(), "sums": self.reduced[1],
+                "grad_norm": self.engine.get_global_grad_norm() or grad_norm,
                 "skipped": not (applied and self.engine.was_step_applied())}
+
+    @staticmethod
+    def _losses(stats: dict) -> dict:
+        """A step's loss, nll and gradient norm on the host (waits for the step to finish: log steps only)."""
+        sums, tokens, grad_norm = stats["sums"].values(), stats["totals"][NEXT_TGT_TOKENS], stats["grad_norm"]
+        losses = {"loss": sums[LOSS] / tokens, "nll": sums[NLL] / tokens}
+        return losses if grad_norm is None else {**losses, "grad_norm": float(grad_norm)}
 
     def _replicated_grad_norm(self):
         """DeepSpeed reports the gradient norm from its ZeRO and mixed-precision optimizers, but its plain
@@ -224,25 +289,30 @@ class Trainer:
     # ---- validation -------------------------------------------------------------------------------
     @torch.no_grad()
     def validate(self) -> dict:
-        """Valid loss, and BLEU of greedy output; every rank decodes its shard and runs the model in lockstep."""
+        """Valid loss, and BLEU of greedy output: every rank evaluates its shard with whole parameters and no
+        collective, and the sums and hypotheses are gathered at the end."""
         self.activity = f"validation after step {self.step}"
         self.engine.eval()
         data, ev = self.valid_data, self.cfg.eval
+        model = self._whole_model()
         all_batches = epoch_batches(data.src_lens, data.tgt_lens, self.cfg.data.max_tokens, seed=0, epoch=0)
-        sums, hypotheses = [0.0, 0.0, 0.0], {}
-        for k, indices in enumerate(shard(all_batches, self.rank, self.world)):
-            batch = self._to_device(data.collate(indices))
-            # Every rank runs every forward (ZeRO-3 gathers parameters collectively); shard()'s repeats don't count.
-            loss, nll = self.engine(batch["src"], batch["tgt_in"], batch["tgt_out"], self.cfg.train.label_smoothing)
-            if self.rank + k * self.world < len(all_batches):
-                sums = [sums[0] + loss.item(), sums[1] + nll.item(), sums[2] + int((batch["tgt_out"] != self.pad).sum())]
+        sums, hypotheses = torch.zeros(3, dtype=torch.float64, device=self.engine.device), {}
+        # Round robin with no collective inside: a rank may get fewer batches than another, or none.
+        for k in range(self.rank, len(all_batches), self.world):
+            host = self._host_batch(data.collate(all_batches[k]))
+            batch = self._device_batch(host)
+            loss, nll = model(batch["src"], batch["tgt_in"], batch["tgt_out"], self.cfg.train.label_smoothing,
+                              padding=batch["padding"])
+            sums += torch.stack([loss.double(), nll.double(), loss.new_tensor(host["tgt_tokens"], dtype=torch.float64)])
             if ev.valid_bleu:
                 max_len = max_output_length(batch["src"].size(1), ev.max_len_a, ev.max_len_b,
                                             self.cfg.model.max_positions)
-                found = greedy(self._next_logits(batch["src"]), len(indices), self.engine.device,
-                               self.bos, self.eos, self.pad, max_len, self._all_done)
-                hypotheses.update(zip(map(int, indices), found))
-        loss, nll, tokens = self._sum(sums)
+                found = greedy(cached_logits(model, batch["src"], batch["padding"]), len(host["indices"]),
+                               self.engine.device, self.bos, self.eos, self.pad, max_len)
+                hypotheses.update(zip(map(int, host["indices"]), found))
+        del model
+        dist.all_reduce(sums)
+        loss, nll, tokens = sums.tolist()
         metrics = {"loss": loss / tokens, "nll": nll / tokens}
         if ev.valid_bleu:
             gathered = [None] * self.world
@@ -253,13 +323,26 @@ class Trainer:
         self.engine.train()
         return metrics
 
-    def _next_logits(self, src: torch.Tensor):
-        """``prefix -> logits`` for greedy decoding. ZeRO-3 gathers its partitioned parameters only inside the
-        engine's forward, so there every step reruns the full forward (O(T²)); otherwise the model decodes
-        incrementally with its key/value cache."""
-        if self.engine.zero_optimization_partition_weights():
-            return lambda prefix: self.engine(src, prefix)
-        return cached_logits(self.engine.module, src)
+    def _whole_model(self) -> torch.nn.Module:
+        """The module with every parameter whole on this rank. ZeRO-3 keeps 1/world of each and gathers it in
+        every forward, which decoding token by token would repeat for every token (and in lockstep across
+        ranks). So its parameters are gathered once per validation, a top-level module at a time, into a plain
+        replica that decodes with the key/value cache like the other stages (one copy of the weights per rank,
+        freed after validation)."""
+        module = self.engine.module
+        if not self.engine.zero_optimization_partition_weights():
+            return module
+        import deepspeed
+
+        dtype = next(module.parameters()).dtype
+        replica = Transformer(self.cfg.model).to(device=self.engine.device, dtype=dtype).eval()
+        targets = dict(replica.named_parameters(remove_duplicate=False))
+        for name, child in module.named_children():
+            params = list(child.named_parameters(prefix=name, remove_duplicate=False))
+            with deepspeed.zero.GatheredParameters([p for _, p in params]):
+                for key, param in params:
+                    targets[key].data.copy_(param.data)
+        return replica
 
     # ---- logging and saving -------------------------------------------------------------------------
     def log(self, kind: str, metrics: dict) -> None:
@@ -274,7 +357,7 @@ class Trainer:
     def save(self, best: bool) -> None:
         self.activity = f"saving the checkpoint of step {self.step}"
         # Not "skipped_steps": DeepSpeed keeps its own count under that key.
-        client_state = {"step": self.step, "data": self.stream.state_dict(), "best_bleu": self.best_bleu,
+        client_state = {"step": self.step, "data": self.data_state, "best_bleu": self.best_bleu,
                         "train_minutes": self.minutes(), "non_finite_steps": self.skipped_steps,
                         "config": OmegaConf.to_container(self.cfg), "spm": self.spm_paths, "spm_sha256": self.spm_sha256}
         checkpoint.save(self.engine, self.cfg.train.output_dir, self.step, client_state, self.cfg.train.keep_last, best)
@@ -283,14 +366,11 @@ class Trainer:
         """Wall-clock minutes of training so far, earlier runs of a resumed job included."""
         return self.minutes_before + (time.time() - self.started) / 60
 
-    def _stop_reason(self) -> str | None:
-        """A signal on any rank, or ``train.max_minutes`` by rank 0's clock; one collective per step, so that
+    @staticmethod
+    def _stop_reason(totals: list[float]) -> str | None:
+        """A signal on any rank, or ``train.max_minutes`` by rank 0's clock, as all-reduced by ``_reduce_step``:
         every rank stops after the same step."""
-        self.activity = f"agreeing whether to stop after step {self.step}"
-        limit = self.cfg.train.max_minutes
-        out_of_time = self.rank == 0 and limit > 0 and self.minutes() >= limit
-        signalled, late = self._sum([float(self.stop_signal is not None), float(out_of_time)])
-        return "signal" if signalled else "time" if late else None
+        return "signal" if totals[SIGNALLED] else "time" if totals[OUT_OF_TIME] else None
 
     def _count_skip(self, stats: dict) -> None:
         """A step whose loss or gradient was not finite changed nothing; too many in a row stop the run."""
@@ -319,12 +399,37 @@ class Trainer:
             raise self._collective_failure(e) from None
         finally:  # also on an error: the process ends without finalization (dsmt.cli), so close what buffers
             progress.close()
+            self.batches.close()
             if self.rank == 0:
                 self.writer.close()
                 self.log_file.close()
-        if stop == "signal" and self.rank == 0:
+        if self.rank != 0:
+            return
+        if stop == "signal":
             tqdm.write(f"stopped by {self.stop_signal or 'a signal to another rank'} after step {self.step}; "
                        f"checkpoint saved, resume with train.resume=auto")
+        for line in self._closing_lines():
+            tqdm.write(line)
+
+    def _closing_lines(self) -> list[str]:
+        """Where the run's best and last checkpoints are, and the commands to use them."""
+        folder = checkpoint.checkpoints_dir(self.cfg.train.output_dir)
+        last = folder / checkpoint.tag_for(self.step)
+        last_bleu = self.valid_bleu.get(self.step)
+        last_text = f"{last} (valid BLEU {last_bleu:.2f})" if last_bleu is not None else f"{last} (not validated)"
+        best = folder / "best"
+        if best.is_symlink():
+            chosen = best
+            where = f"best checkpoint: {best} -> {os.readlink(best)} (valid BLEU {self.best_bleu:.2f}); last: {last_text}"
+        else:
+            chosen, where = last, f"last checkpoint: {last_text}"
+        data, splits = Path(self.cfg.data.dir), [s for s in self.meta["splits"] if s != "train"]
+        test = next((s for s in splits if s.startswith("test") or s.startswith("newstest")), self.cfg.data.valid_split)
+        src, tgt = self.meta["src"], self.meta["tgt"]
+        name = Path(self.cfg.train.output_dir).name
+        return [where, f"next: dsmt evaluate --checkpoint {chosen} --src {data / f'{test}.{src}.txt'} "
+                       f"--ref {data / f'{test}.{tgt}.txt'}  |  dsmt translate --checkpoint {chosen} < input.{src}  |  "
+                       f"dsmt export --checkpoint {chosen} --out models/{name}"]
 
     def _collective_failure(self, error: RuntimeError) -> Exception:
         """A timed-out collective, or a peer that is gone, as one line naming what this rank was doing."""
@@ -342,36 +447,42 @@ class Trainer:
         """Train until max_steps, the time budget or a signal; returns the stop reason (None: max_steps)."""
         tc = self.cfg.train
         self.started, started_step, window_seconds, window_tokens = time.time(), self.step, 0.0, 0
-        stop = self._stop_reason()  # a resumed run may have no time left
+        stop = self.begin()  # a resumed run may have no time left
         done = self.step >= tc.max_steps or stop is not None
         while not done:
             step_start = time.time()
             stats = self.train_step()
-            window_seconds, window_tokens = window_seconds + time.time() - step_start, window_tokens + stats["tokens"]
+            # Flags and counts all-reduced before this step (read without waiting for it): a signal or the time
+            # limit seen during step k stops the run after step k + 1, on every rank alike.
+            totals = stats["totals"]
+            stop = self._stop_reason(totals)
+            done = self.step >= tc.max_steps or stop is not None
+            logging = self.step % tc.log_interval == 0 or done
+            losses = self._losses(stats) if logging else None  # waits for the step: only when logging
+            window_tokens += totals[NEXT_SRC_TOKENS] + totals[NEXT_TGT_TOKENS]
+            window_seconds += time.time() - step_start
             progress.update()
             self._count_skip(stats)
-            stop = self._stop_reason()
-            done = self.step >= tc.max_steps or stop is not None
             if self.step == started_step + 1:  # optimizer state exists after the first step
                 self.log("memory", {**partitioned_bytes(self.engine), "gradient_bytes": self.grad_bytes})
-            if self.step % tc.log_interval == 0 or done:
+            if logging:
                 # Source+target tokens of the global batch per second of training steps (validation excluded).
-                metrics = {"loss": stats["loss"], "nll": stats["nll"], "ppl": float(np.exp(stats["nll"])),
+                metrics = {**losses, "ppl": float(np.exp(losses["nll"])),
                            "lr": self.engine.get_lr()[0], "tokens_per_s": window_tokens / window_seconds,
                            "tokens_per_s_per_rank": window_tokens / window_seconds / self.world,
                            "wall_minutes": self.minutes(), "peak_rss_mb": peak_rss_mb(),
                            "skipped_steps": self.skipped_steps}
-                if stats["grad_norm"] is not None:
-                    metrics["grad_norm"] = stats["grad_norm"]
                 if self.precision == "fp16":
                     metrics["loss_scale"] = float(self.engine.optimizer.loss_scale)
                 self.log("train", metrics)
-                progress.set_postfix(loss=f"{stats['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+                progress.set_postfix(loss=f"{losses['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
                 window_seconds, window_tokens = 0.0, 0
             improved = False
             if (self.step % tc.valid_interval == 0 or done) and stop != "signal":  # pre-emption: save at once
                 metrics = self.validate()
                 metrics["wall_minutes"] = self.minutes()
+                if "bleu" in metrics:
+                    self.valid_bleu[self.step] = metrics["bleu"]
                 if "bleu" in metrics and metrics["bleu"] > self.best_bleu:
                     self.best_bleu, improved = metrics["bleu"], True
                 self.log("valid", metrics)

@@ -1,7 +1,9 @@
 """Benchmark scripts run (not timed): the BLEU plot from TensorBoard scalars, the GPU check on a CPU, the throughput table."""
 
 import subprocess
+from pathlib import Path
 
+import pytest
 from torch.utils.tensorboard import SummaryWriter
 
 from tests.conftest import PYTHON, REPO, run_env
@@ -27,14 +29,21 @@ def test_bleu_plot_is_drawn_from_tensorboard_scalars(tmp_path):
     assert done.returncode != 0 and "no valid/bleu scalars" in done.stderr
 
 
-def test_gpu_check_runs_on_cpu_and_prints_its_row():
-    """The GPU script cannot be timed here, but its set-up, loop and FLOPs count run on a CPU as well."""
-    done = subprocess.run([PYTHON, "benchmarks/gpu_check.py", "--preset", "small", "--vocab", "500", "--batch", "4",
-                           "--length", "8", "--steps", "2", "--warmup", "1", "--precision", "fp32"],
-                          cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
+@pytest.mark.slow
+def test_gpu_check_runs_end_to_end_on_cpu_and_prints_a_row_per_stage():
+    """The GPU check cannot be timed here, but all of it (generated corpus, prepare, the real Trainer under the
+    deepspeed launcher at ZeRO-0/2/3, the FLOPs count) runs on a CPU as well, so it cannot rot."""
+    done = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--preset", "small", "--precision", "fp32",
+                           "--max-tokens", "512", "--steps", "2", "--warmup", "1", "model.d_model=64", "model.d_ff=128",
+                           "train.threads=1"], cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env=run_env(PAIRS="2000", VOCAB="400", PYTHON=PYTHON,
+                                      DEEPSPEED=str(Path(PYTHON).parent / "deepspeed")))
     assert done.returncode == 0, done.stderr[-2000:]
-    row = [line for line in done.stdout.splitlines() if line.startswith("| cpu | small")]
-    assert len(row) == 1 and "TFLOP/s" in row[0] and "n/a" in row[0]
+    rows = [line.split(" | ") for line in done.stdout.splitlines() if line.startswith("| cpu |")]
+    assert [row[3] for row in rows] == [f"ds_configs/zero{stage}.json" for stage in (0, 2, 3)]
+    for row in rows:
+        assert row[1] == "1" and float(row[6].replace(",", "")) > 0 and float(row[7]) >= 0 and "n/a" in row[8]
+    assert len({row[2] for row in rows}) == 1  # ZeRO-3 counts its partitioned parameters whole
 
 
 def test_train_throughput_takes_turns_and_prints_the_table(toy_data):

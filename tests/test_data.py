@@ -16,7 +16,7 @@ import sentencepiece as spm
 
 from dsmt import DsmtError
 from dsmt.data import corpora
-from dsmt.data.batching import BatchStream, ParallelData, epoch_batches, shard, token_batches
+from dsmt.data.batching import BatchStream, ParallelData, Prefetcher, epoch_batches, shard, token_batches
 from dsmt.data.corpora import MULTI30K_SPLITS, download, multi30k_prefixes
 from dsmt.data.prepare import PrepareOptions, prepare
 from tests.conftest import MULTI30K, PYTHON, REPO, run_env
@@ -67,6 +67,26 @@ def test_batches_respect_max_tokens_and_bucketing_saves_padding(multi30k_data):
     bucketed, unsorted = padding_fraction(data, batches), padding_fraction(data, random_batches)
     print(f"padding on Multi30k train at 4096 tokens: bucketed {bucketed:.1%}, random {unsorted:.1%}")
     assert bucketed < 0.10 < unsorted
+
+
+def test_prefetcher_yields_the_streams_batches_and_states_and_passes_errors_on(multi30k_data):
+    data = ParallelData(str(multi30k_data), "train")
+    plain = BatchStream(data, 4096, seed=2, rank=1, world_size=3)
+    expected = []
+    for _ in range(150):  # crosses into the second epoch
+        expected.append((next(plain)["indices"], plain.state_dict()))
+    ahead = Prefetcher(BatchStream(data, 4096, seed=2, rank=1, world_size=3), lambda b: b["indices"], depth=4)
+    got = [next(ahead) for _ in range(150)]
+    ahead.close()
+    assert not ahead.thread.is_alive()
+    assert all(np.array_equal(a, b) and sa == sb for (a, sa), (b, sb) in zip(got, expected))
+
+    def broken(batch):
+        raise ValueError("bad batch")
+    failing = Prefetcher(BatchStream(data, 4096, seed=2), broken, depth=2)
+    with pytest.raises(ValueError, match="bad batch"):
+        next(failing)
+    failing.close()
 
 
 def test_collate_shapes_and_specials(multi30k_data):

@@ -8,9 +8,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from dsmt.config import ModelConfig, load_config
-from dsmt.model import Attention, Dropout, Transformer, key_padding_mask
+from dsmt.model import Attention, Dropout, Padding, Transformer, key_padding_mask
 from dsmt.engine import free_port
 
 PAD = 0
@@ -214,6 +215,84 @@ def test_data_parallel_wrapper_and_its_scatter(model):
         with ThreadPoolExecutor(len(chunks)) as pool:
             outputs = list(pool.map(lambda args: model(*args), chunks))
     assert torch.allclose(torch.cat(outputs), reference, atol=1e-5)
+
+
+class HostSyncWatch(TorchFunctionMode):
+    """Records every call that makes the host wait for a device's data (a nonzero, a boolean index, a value
+    read back) and the attention mask each SDPA call gets."""
+
+    READS = {"nonzero", "item", "tolist", "__bool__", "__int__", "__float__", "__index__", "masked_select", "cpu",
+             "numpy", "unique", "argwhere", "nonzero_static"}
+
+    def __init__(self):
+        super().__init__()
+        self.syncs, self.masks = [], []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if func is F.scaled_dot_product_attention:
+            self.masks.append(kwargs.get("attn_mask", args[3] if len(args) > 3 else None))
+        if name in self.READS:
+            self.syncs.append(name)
+        if name in ("__getitem__", "__setitem__", "index_put_", "index_put") and any(
+                isinstance(a, torch.Tensor) and a.dtype == torch.bool
+                for a in (args[1] if isinstance(args[1], tuple) else (args[1],))):
+            self.syncs.append(f"{name} with a boolean index")
+        return func(*args, **kwargs)
+
+
+def training_pass(model, src, tgt_in, tgt_out, padding=None):
+    """Loss sums and parameter gradients of one training forward and backward."""
+    model.zero_grad()
+    torch.manual_seed(0)
+    loss, nll = model(src, tgt_in, tgt_out, label_smoothing=0.1, padding=padding)
+    loss.backward()
+    return loss.detach(), nll, [p.grad.clone() for p in model.parameters()]
+
+
+def padding_of(src, tgt):
+    return Padding.of_lengths((src != PAD).sum(1).numpy(), (tgt != PAD).sum(1).numpy(), src.size(1), tgt.size(1))
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+def test_training_pass_with_host_padding_has_no_host_sync_and_equals_the_token_derived_one(model, padded):
+    """With the ``Padding`` built on the host, a training forward and backward reads nothing back from the device,
+    a batch without source padding reaches SDPA without a mask (FlashAttention's condition), and the loss and
+    gradients equal those of the path that derives everything from the tokens."""
+    model.train()
+    lengths = (SRC_LENS, TGT_LENS) if padded else ([6] * 8, [5] * 8)
+    src, tgt = padded_batch(lengths[0], seed=11), padded_batch([n + 1 for n in lengths[1]], seed=12)
+    tgt_in, tgt_out = tgt[:, :-1].clone(), tgt[:, 1:].clone()
+    tgt_in[tgt_out == PAD] = PAD  # the targets' padding where the inputs' is, as collate makes them
+    padding = padding_of(src, tgt_in)
+    assert padding.src_padded == padded
+    with HostSyncWatch() as watch:
+        loss, nll, grads = training_pass(model, src, tgt_in, tgt_out, padding)
+    assert watch.syncs == []
+    masks, decoder_layers = watch.masks, len(model.decoder_layers)
+    assert len(masks) == len(model.encoder_layers) + 2 * decoder_layers
+    if padded:  # encoder self-attention and cross-attention mask the source padding; decoder self-attention is causal
+        assert sum(m is None for m in masks) == decoder_layers
+    else:
+        assert all(m is None for m in masks)
+    with HostSyncWatch() as watch:
+        expected_loss, expected_nll, expected_grads = training_pass(model, src, tgt_in, tgt_out)
+    assert "nonzero" in watch.syncs  # the token-derived path has to ask the device
+    assert torch.allclose(loss, expected_loss, rtol=1e-5) and torch.allclose(nll, expected_nll, rtol=1e-5)
+    assert all(torch.allclose(g, e, atol=1e-5) for g, e in zip(grads, expected_grads))
+
+
+def test_padding_of_another_shape_is_ignored(model):
+    """A wrapper that splits the batch hands each part the whole batch's ``Padding``: its shapes no longer match,
+    and each part then reads its own tokens, so the outputs equal the unhinted ones."""
+    src, tgt = padded_batch(SRC_LENS, seed=13), padded_batch(TGT_LENS, seed=14)
+    whole = padding_of(src, tgt)
+    with torch.no_grad():
+        reference = model(src, tgt)
+        assert torch.allclose(model(src, tgt, padding=whole), reference, atol=1e-6)
+        parts = [model(s, t, padding=whole) for s, t in zip(src.split([3, 5]), tgt.split([3, 5]))]
+    assert torch.allclose(torch.cat(parts), reference, atol=1e-5)
 
 
 def _ddp_worker(rank, world, port, results):

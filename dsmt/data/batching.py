@@ -5,6 +5,8 @@ collective that another never joins. The stream is deterministic given (seed, ep
 and its position is a small state a checkpoint can store.
 """
 
+import queue
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -63,12 +65,14 @@ class ParallelData:
             rows[row, : len(tokens)] = tokens
         return torch.from_numpy(rows)
 
-    def collate(self, indices) -> dict[str, torch.Tensor]:
-        """Right-padded ``src`` (x + EOS), ``tgt_in`` (BOS + y) and ``tgt_out`` (y + EOS)."""
+    def collate(self, indices) -> dict:
+        """Right-padded ``src`` (x + EOS), ``tgt_in`` (BOS + y) and ``tgt_out`` (y + EOS) tensors; and on the host,
+        the sentence ``indices`` and the rows' real lengths (``src_lengths``; ``tgt_lengths``, of either target)."""
+        indices = np.asarray(indices)
         return {"src": self._rows(self.src_ids, self.src_offsets, indices, [], [self.eos]),
                 "tgt_in": self._rows(self.tgt_ids, self.tgt_offsets, indices, [self.bos], []),
                 "tgt_out": self._rows(self.tgt_ids, self.tgt_offsets, indices, [], [self.eos]),
-                "indices": torch.as_tensor(np.asarray(indices))}
+                "indices": indices, "src_lengths": self.src_lens[indices], "tgt_lengths": self.tgt_lens[indices]}
 
 
 def token_batches(src_lens, tgt_lens, max_tokens: int, order) -> list[np.ndarray]:
@@ -142,3 +146,43 @@ class BatchStream:
         (rounded up: a few batches may be skipped, none repeated)."""
         consumed = state["position"] * state["world_size"]
         self.epoch, self.position, self._batches = state["epoch"], -(-consumed // self.world_size), None
+
+
+class Prefetcher:
+    """``(prepare(batch), state)`` for each batch of ``stream``, built up to ``depth`` ahead in a background thread
+    (numpy work that would otherwise sit between two GPU steps), ``state`` being the stream's state after that
+    batch: a checkpoint stores the state after the last batch trained on, not after those built ahead. The
+    stream is deterministic, so the items are exactly those of the stream itself."""
+
+    def __init__(self, stream, prepare, depth: int):
+        self.stream, self.prepare = stream, prepare
+        self.queue, self.stopped = queue.Queue(maxsize=depth), threading.Event()
+        self.thread = threading.Thread(target=self._fill, name="dsmt-prefetch", daemon=True)
+        self.thread.start()
+
+    def _fill(self) -> None:
+        try:
+            while not self.stopped.is_set():
+                batch = next(self.stream)
+                self.queue.put((self.prepare(batch), self.stream.state_dict()))
+        except BaseException as error:  # handed to the consumer, which raises it
+            self.queue.put(error)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = self.queue.get()
+        if isinstance(item, BaseException):
+            self.stopped.set()
+            raise item
+        return item
+
+    def close(self) -> None:
+        """Stop the thread: it sees the flag once the queue has room again."""
+        self.stopped.set()
+        while self.thread.is_alive():
+            try:
+                self.queue.get(timeout=0.1)
+            except queue.Empty:
+                pass
