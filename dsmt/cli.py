@@ -54,7 +54,8 @@ def _translator(args):
     from dsmt.translate import Translator
 
     return Translator(args.checkpoint, beam=args.beam, lenpen=args.lenpen, max_len_a=args.max_len_a,
-                      max_len_b=args.max_len_b, batch_tokens=args.batch_tokens, nbest=getattr(args, "nbest", 1))
+                      max_len_b=args.max_len_b, batch_tokens=args.batch_tokens, nbest=getattr(args, "nbest", 1),
+                      device=args.device)
 
 
 def _translate(args) -> None:
@@ -79,10 +80,17 @@ def _evaluate(args) -> None:
 
 
 def _export(args) -> None:
-    from dsmt.checkpoint import export
+    if args.format == "ctranslate2":
+        from dsmt.ct2 import export_ctranslate2
 
-    export(args.checkpoint, args.out)
-    print(f"{args.out}: exported")
+        export_ctranslate2(args.checkpoint, args.out, args.quantization)
+    elif args.quantization:
+        raise DsmtError("--quantization applies to --format ctranslate2; dsmt's own model dir keeps fp32 weights")
+    else:
+        from dsmt.checkpoint import export
+
+        export(args.checkpoint, args.out)
+    print(f"{args.out}: exported ({args.format})")
 
 
 def _average(args) -> None:
@@ -93,12 +101,15 @@ def _average(args) -> None:
 
 
 def _add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--checkpoint", required=True, help="a model dir (dsmt export) or a DeepSpeed checkpoint")
+    parser.add_argument("--checkpoint", required=True,
+                        help="a DeepSpeed checkpoint, or a model dir of dsmt export (either --format: ctranslate2 "
+                             "decodes through CTranslate2)")
     parser.add_argument("--beam", type=int, default=5, help="beam size; 1 is greedy (default: 5)")
     parser.add_argument("--lenpen", type=float, default=0.6, help="GNMT length penalty alpha (default: 0.6)")
     parser.add_argument("--max-len-a", type=float, default=1.2, help="max output length = a * source length + b")
     parser.add_argument("--max-len-b", type=int, default=10)
     parser.add_argument("--batch-tokens", type=int, default=8000, help="source tokens × beam per batch")
+    parser.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: auto, the GPU when there is one)")
 
 
 def _prepare(args) -> None:
@@ -197,6 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
     export = verbs.add_parser("export", help="consolidate a (ZeRO) checkpoint into a self-contained model dir")
     export.add_argument("--checkpoint", required=True, help="a step<N> folder, checkpoints folder or output dir")
     export.add_argument("--out", required=True, help="the model dir to write")
+    export.add_argument("--format", default="dsmt", choices=["dsmt", "ctranslate2"],
+                        help="dsmt: model.pt + config.yaml (default); ctranslate2: a CTranslate2 model dir")
+    export.add_argument("--quantization", help="ctranslate2 only: int8, int8_float32, int8_float16, float16, "
+                                               "bfloat16 or float32 (default: the weights' fp32)")
     export.set_defaults(func=_export)
 
     average = verbs.add_parser("average", help="average the parameters of several checkpoints")

@@ -10,14 +10,56 @@ from tqdm import tqdm
 
 from dsmt import DsmtError
 from dsmt.checkpoint import load_model
+from dsmt.ct2 import CTranslate2Search, is_ct2_dir
 from dsmt.data.batching import token_batches
 from dsmt.data.corpora import decode_lines
 from dsmt.decode import beam_search, max_output_length
 
 
+def resolve_device(name: str) -> torch.device:
+    """``--device``: "auto" is the GPU when there is one, else the CPU; anything else must exist here."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise DsmtError(f"--device {name}: not a device; use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        raise DsmtError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s); "
+                        "use --device cpu (or auto)")
+    if device.type not in ("cpu", "cuda"):
+        raise DsmtError(f"--device {name}: dsmt decodes on cpu or cuda")
+    return device
+
+
+class DsmtSearch:
+    """dsmt's own beam search (``dsmt.decode.beam_search``) on a checkpoint or exported model dir."""
+
+    def __init__(self, checkpoint: str, device: torch.device, use_cache: bool):
+        self.model, model_cfg, self.spm_paths = load_model(checkpoint)
+        self.model.to(device)
+        self.device, self.use_cache, self.max_positions = device, use_cache, model_cfg.max_positions
+        self.src_sp, self.tgt_sp = (spm.SentencePieceProcessor(model_file=str(self.spm_paths[side])) for side in ("src", "tgt"))
+        for sp, size in ((self.src_sp, model_cfg.src_vocab_size or model_cfg.vocab_size), (self.tgt_sp, model_cfg.vocab_size)):
+            if sp.vocab_size() != size:
+                raise DsmtError(f"{checkpoint}: a sentencepiece model has {sp.vocab_size()} pieces but the model "
+                                f"{size}; the checkpoint and its vocabulary do not belong together")
+
+    def __call__(self, sources: list[list[int]], beam: int, lenpen: float, max_len: int, nbest: int):
+        pad = self.tgt_sp.pad_id()
+        src = torch.full((len(sources), max(map(len, sources))), pad, dtype=torch.long)
+        for row, ids in enumerate(sources):
+            src[row, : len(ids)] = torch.tensor(ids)
+        return beam_search(self.model, src.to(self.device), self.tgt_sp.bos_id(), self.tgt_sp.eos_id(), pad, beam,
+                           lenpen, max_len, nbest=nbest, use_cache=self.use_cache)
+
+
 class Translator:
+    """Text in, text out, through dsmt's decoder or, for a ``dsmt export --format ctranslate2`` dir, CTranslate2."""
+
     def __init__(self, checkpoint: str, beam: int = 5, lenpen: float = 0.6, max_len_a: float = 1.2,
-                 max_len_b: int = 10, batch_tokens: int = 8000, use_cache: bool = True, nbest: int = 1):
+                 max_len_b: int = 10, batch_tokens: int = 8000, use_cache: bool = True, nbest: int = 1,
+                 device: str = "auto"):
         if beam < 1 or not 1 <= nbest <= beam:
             raise DsmtError(f"--beam {beam} --nbest {nbest}: need beam >= 1 and 1 <= nbest <= beam")
         if max_len_a < 0 or max_len_b < 0 or max_len_a == 0 and max_len_b < 1:
@@ -25,16 +67,16 @@ class Translator:
                             "need a >= 0, b >= 0 and one of them > 0 (default: 1.2 and 10)")
         if batch_tokens < 1:
             raise DsmtError(f"--batch-tokens {batch_tokens}: must be at least 1")
-        self.model, model_cfg, spm_paths = load_model(checkpoint)
-        self.src_sp, self.sp = (spm.SentencePieceProcessor(model_file=str(spm_paths[side])) for side in ("src", "tgt"))
-        for sp, size in ((self.src_sp, model_cfg.src_vocab_size or model_cfg.vocab_size), (self.sp, model_cfg.vocab_size)):
-            if sp.vocab_size() != size:
-                raise DsmtError(f"{checkpoint}: a sentencepiece model has {sp.vocab_size()} pieces but the model "
-                                f"{size}; the checkpoint and its vocabulary do not belong together")
-        self.pad, self.bos, self.eos = self.sp.pad_id(), self.sp.bos_id(), self.sp.eos_id()
+        self.device = resolve_device(device)
+        if is_ct2_dir(checkpoint):
+            self.search = CTranslate2Search(checkpoint, self.device, torch.get_num_threads())
+        else:
+            self.search = DsmtSearch(checkpoint, self.device, use_cache)
+        self.src_sp, self.sp = self.search.src_sp, self.search.tgt_sp
+        self.eos = self.sp.eos_id()
         self.beam, self.lenpen, self.max_len_a, self.max_len_b = beam, lenpen, max_len_a, max_len_b
-        self.batch_tokens, self.use_cache, self.nbest = batch_tokens, use_cache, nbest
-        self.max_positions = model_cfg.max_positions
+        self.batch_tokens, self.nbest = batch_tokens, nbest
+        self.max_positions = self.search.max_positions
 
     def _source_ids(self, lines: list[str]) -> list[list[int]]:
         """Subword ids + EOS per line (none for an empty line). A line longer than the model's positions is
@@ -66,14 +108,10 @@ class Translator:
         order = todo[np.argsort(lengths[todo], kind="stable")]
         batches = token_batches(lengths, lengths, max(self.batch_tokens // self.beam, int(lengths.max())), order)
         for batch in tqdm(batches, desc="translate", unit="batch", disable=None, leave=False):
-            src = torch.full((len(batch), int(lengths[batch].max())), self.pad, dtype=torch.long)
-            for row, i in enumerate(batch):
-                src[row, : lengths[i]] = torch.tensor(ids[i])
-            max_len = max_output_length(src.size(1), self.max_len_a, self.max_len_b, self.max_positions)
-            found = beam_search(self.model, src, self.bos, self.eos, self.pad, self.beam, self.lenpen, max_len,
-                                nbest=self.nbest, use_cache=self.use_cache)
+            max_len = max_output_length(int(lengths[batch].max()), self.max_len_a, self.max_len_b, self.max_positions)
+            found = self.search([ids[i] for i in batch], self.beam, self.lenpen, max_len, self.nbest)
             for i, hyps in zip(batch, found):
-                out[i] = [(score, self.sp.decode(ids)) for score, ids in hyps]
+                out[i] = [(score, self.sp.decode(tokens)) for score, tokens in hyps]
         return out
 
 

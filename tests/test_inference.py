@@ -11,7 +11,7 @@ import torch
 
 from dsmt.checkpoint import load_model
 from dsmt.config import ModelConfig
-from dsmt.decode import beam_search, greedy, length_penalty
+from dsmt.decode import beam_search, forbid_pad_and_bos, greedy, length_penalty, reorder_cache
 from dsmt.model import Transformer
 from tests.conftest import PYTHON, REPO, run_env
 from tests.training import train
@@ -68,25 +68,95 @@ def trained(toy_data, tmp_path_factory):
     return root, toy_data
 
 
-def test_beam_one_is_greedy_and_beam_five_scores_higher(trained):
-    root, data = trained
-    model = load_model(str(root / "export_zero0"))[0]
-    lines = [line for line in (data / "test.en.txt").read_text().splitlines()[:40]]
+def encoded_test_lines(root, data, count: int) -> torch.Tensor:
+    """The first ``count`` lines of the toy test set, encoded and right-padded as translate does."""
     import sentencepiece as spm
 
     sp = spm.SentencePieceProcessor(model_file=str(root / "export_zero0" / "spm.src.model"))
-    ids = [sp.encode(line) + [EOS] for line in lines]
+    ids = [sp.encode(line) + [EOS] for line in (data / "test.en.txt").read_text().splitlines()[:count]]
     src = torch.full((len(ids), max(map(len, ids))), PAD)
     for row, x in enumerate(ids):
         src[row, : len(x)] = torch.tensor(x)
+    return src
+
+
+def test_beam_one_is_greedy_and_beam_five_scores_higher(trained):
+    root, data = trained
+    model = load_model(str(root / "export_zero0"))[0]
+    src = encoded_test_lines(root, data, 40)
     memory = model.encode(src)
-    greedy_ids = greedy(lambda prefix: model.decode(prefix, memory, src), len(ids), "cpu", BOS, EOS, PAD, 30)
+    greedy_ids = greedy(lambda prefix: model.decode(prefix, memory, src), len(src), "cpu", BOS, EOS, PAD, 30)
     beam1 = beam_search(model, src, BOS, EOS, PAD, beam=1, lenpen=0.6, max_len=30)
     assert [h[0][1] for h in beam1] == greedy_ids
     beam5 = beam_search(model, src, BOS, EOS, PAD, beam=5, lenpen=0.6, max_len=30, nbest=5)
     for one, five in zip(beam1, beam5):
         assert five[0][0] >= one[0][0] - 1e-6
         assert [s for s, _ in five] == sorted([s for s, _ in five], reverse=True)
+
+
+def reference_beam_search(model, src, bos, eos, pad, beam, lenpen, max_len, nbest=1):
+    """The plain loop dsmt's beam search was before it became tensor operations (one host round trip per
+    sentence and candidate per step): the specification the device version must match exactly."""
+    use_cache = True
+    batch, vocab, device = src.size(0), model.output.out_features, src.device
+    memory = model.encode(src).repeat_interleave(beam, dim=0)
+    src = src.repeat_interleave(beam, dim=0)
+    cache = model.empty_cache() if use_cache else None
+    tokens = torch.full((batch * beam, 1), bos, dtype=torch.long, device=device)
+    scores = torch.full((batch, beam), float("-inf"), device=device)
+    scores[:, 0] = 0.0  # every beam starts as the same BOS: expand only the first
+    finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(batch)]
+    for step in range(max_len):
+        logits = model.decode(tokens[:, -1:], memory, src, cache) if use_cache else model.decode(tokens, memory, src)
+        logits = logits[:, -1].float()
+        forbid_pad_and_bos(logits, pad, bos)
+        lprobs = torch.log_softmax(logits, dim=-1)
+        candidates = (scores[:, :, None] + lprobs.view(batch, beam, vocab)).view(batch, -1)
+        top_scores, top_ids = (t.tolist() for t in candidates.topk(2 * beam, dim=1))  # ≥ beam are not EOS
+        survivors = []
+        for b in range(batch):
+            kept = []
+            if len(finished[b]) < beam:
+                for rank, (score, flat) in enumerate(zip(top_scores[b], top_ids[b])):
+                    row, token = b * beam + flat // vocab, flat % vocab
+                    if score == float("-inf") or len(kept) == beam:
+                        break
+                    if token != eos:
+                        kept.append((row, token, score))
+                    elif rank < beam:  # an ending counts only if it is among the best `beam` candidates
+                        ids = tokens[row, 1:].tolist()
+                        finished[b].append((score / length_penalty(len(ids) + 1, lenpen), ids))
+                        if len(finished[b]) == beam:
+                            kept = []
+                            break
+                if step == max_len - 1:  # out of length: the open beams end here, without EOS
+                    finished[b] += [(score / length_penalty(step + 1, lenpen), tokens[row, 1:].tolist() + [token])
+                                    for row, token, score in kept]
+            # A finished sentence keeps `beam` dead rows so that the batch keeps its shape.
+            kept = kept or [(b * beam, pad, float("-inf"))]
+            survivors += kept + [kept[0][:2] + (float("-inf"),)] * (beam - len(kept))
+        if step == max_len - 1 or all(len(f) >= beam for f in finished):
+            break
+        rows, next_tokens, next_scores = zip(*survivors)
+        order = torch.tensor(rows, device=device)
+        if use_cache:
+            reorder_cache(cache, order)
+        tokens = torch.cat([tokens.index_select(0, order), torch.tensor(next_tokens, device=device)[:, None]], dim=1)
+        scores = torch.tensor(next_scores, device=device).view(batch, beam)
+    return [sorted(hyps, key=lambda h: -h[0])[:nbest] for hyps in finished]
+
+
+@pytest.mark.parametrize("beam, lenpen, max_len, nbest", [(5, 0.6, 30, 5), (4, 1.4, 6, 4), (1, 0.6, 30, 1),
+                                                          (3, 0.0, 3, 2)])
+def test_beam_search_on_the_device_equals_the_reference_loop(trained, beam, lenpen, max_len, nbest):
+    """Same hypotheses, same scores (bitwise), same order: ended by EOS, cut at max_len (short max_len), with
+    fewer open candidates than beams, and sentences that finish at different steps."""
+    root, data = trained
+    model = load_model(str(root / "export_zero0"))[0]
+    src = encoded_test_lines(root, data, 40)
+    with torch.no_grad():
+        expected = reference_beam_search(model, src, BOS, EOS, PAD, beam, lenpen, max_len, nbest)
+    assert beam_search(model, src, BOS, EOS, PAD, beam, lenpen, max_len, nbest) == expected
 
 
 def test_beam_search_without_cache_finds_the_same(trained):
@@ -106,7 +176,9 @@ def test_scores_are_length_normalized_log_probabilities(trained):
     src = sources().clamp(max=model.output.out_features - 1)
     (score, ids), = beam_search(model, src[:1], BOS, EOS, PAD, beam=3, lenpen=1.0, max_len=20)[0]
     target = torch.tensor([[BOS] + ids + ([EOS] if len(ids) < 20 else [])])
-    lprobs = torch.log_softmax(model(src[:1], target[:, :-1]), -1)
+    logits = model(src[:1], target[:, :-1])
+    logits[..., [PAD, BOS]] = float("-inf")  # scores are over the tokens that can be emitted
+    lprobs = torch.log_softmax(logits, -1)
     total = lprobs[0, torch.arange(target.size(1) - 1), target[0, 1:]].sum().item()
     assert score == pytest.approx(total / length_penalty(target.size(1) - 1, 1.0), abs=1e-4)
 
@@ -130,22 +202,34 @@ def test_zero3_and_zero0_exports_agree(trained):
         assert torch.allclose(zero0[name], zero3[name], atol=1e-6), name
 
 
-def test_translate_keeps_lines_order_and_empty_lines(trained, tmp_path):
+@pytest.fixture(scope="module")
+def ct2_model(trained):
+    """The 80-step model exported for CTranslate2 (float32)."""
+    root, _ = trained
+    result = dsmt("export", "--checkpoint", str(root / "zero0"), "--out", str(root / "ct2_zero0"), "--format",
+                  "ctranslate2")
+    assert result.returncode == 0, result.stderr
+    return root / "ct2_zero0"
+
+
+@pytest.mark.parametrize("engine", ["dsmt", "ctranslate2"])
+def test_translate_keeps_lines_order_and_empty_lines(trained, ct2_model, tmp_path, engine):
     root, data = trained
+    model_dir = str(root / "export_zero0") if engine == "dsmt" else str(ct2_model)
     lines = data.joinpath("test.en.txt").read_text().splitlines()[:12]
     lines[3] = lines[7] = ""
     source = tmp_path / "in.txt"
     source.write_text("\n".join(lines) + "\n")
     out = tmp_path / "out.txt"
-    from_file = dsmt("translate", "--checkpoint", str(root / "export_zero0"), "--input", str(source),
+    from_file = dsmt("translate", "--checkpoint", model_dir, "--input", str(source),
                      "--output", str(out), "--batch-tokens", "100")
     assert from_file.returncode == 0, from_file.stderr
     translated = out.read_text().splitlines()
     assert len(translated) == 12 and translated[3] == translated[7] == "" and all(translated[i] for i in (0, 5, 11))
-    from_stdin = dsmt("translate", "--checkpoint", str(root / "export_zero0"), stdin=source.read_text())
+    from_stdin = dsmt("translate", "--checkpoint", model_dir, stdin=source.read_text())
     assert from_stdin.stdout.splitlines() == translated
     # Order: each line translated alone gives the same output as in the batch.
-    alone = dsmt("translate", "--checkpoint", str(root / "export_zero0"), stdin=lines[5] + "\n")
+    alone = dsmt("translate", "--checkpoint", model_dir, stdin=lines[5] + "\n")
     assert alone.stdout.strip() == translated[5]
 
 
@@ -296,3 +380,115 @@ def test_separate_vocabularies_train_and_translate(tmp_path):
     exported = dsmt("export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "model"))
     assert exported.returncode == 0, exported.stderr
     assert (tmp_path / "model" / "spm.src.model").read_bytes() == (tmp_path / "data" / "spm.en.model").read_bytes()
+
+
+# ---- CTranslate2 ----------------------------------------------------------------------------------------
+
+def test_ctranslate2_dir_is_standard_and_plain_pieces_translate_as_dsmt_greedy(trained, ct2_model):
+    """A user of CTranslate2 alone passes sentencepiece pieces (no EOS, no BOS) and gets dsmt's greedy output."""
+    import ctranslate2
+    import sentencepiece as spm
+
+    root, data = trained
+    assert {p.name for p in ct2_model.iterdir()} == {"model.bin", "config.json", "shared_vocabulary.json", "spm.model"}
+    sp = spm.SentencePieceProcessor(model_file=str(ct2_model / "spm.model"))
+    lines = data.joinpath("test.en.txt").read_text().splitlines()[:60]
+    results = ctranslate2.Translator(str(ct2_model)).translate_batch([sp.encode(line, out_type=str) for line in lines],
+                                                                      beam_size=1)
+    model = load_model(str(root / "export_zero0"))[0]
+    src = encoded_test_lines(root, data, 60)
+    memory = model.encode(src)
+    with torch.no_grad():
+        expected = greedy(lambda prefix: model.decode(prefix, memory, src), len(src), "cpu", BOS, EOS, PAD, 256)
+    assert [sp.decode(r.hypotheses[0]) for r in results] == [sp.decode(ids) for ids in expected]
+
+
+def test_ctranslate2_behind_dsmt_translate_chooses_as_dsmt(trained, ct2_model):
+    """Through `Translator`: greedy identical. Beam 5: every hypothesis both engines end has the same score within
+    1e-3, with no length penalty (both then score summed log-probabilities) and with dsmt's GNMT penalty (mapped:
+    CTranslate2 searches without one, and its ended hypotheses are ranked with dsmt's); wherever both searches end
+    the same hypotheses, the same translation is chosen. (Their stopping rules differ: CTranslate2 goes on until
+    its best open beam ends, dsmt stops once `beam` hypotheses have ended, so CTranslate2 sometimes ends others.)"""
+    from dsmt.translate import Translator
+
+    root, data = trained
+    lines = data.joinpath("test.en.txt").read_text().splitlines()[:100]
+    for beam, lenpen in ((1, 0.6), (5, 0.6), (5, 0.0)):
+        ours, theirs = (Translator(path, beam=beam, lenpen=lenpen, nbest=beam, device="cpu").translate_nbest(lines)
+                        for path in (str(root / "export_zero0"), str(ct2_model)))
+        same_sets = 0
+        for a, b in zip(ours, theirs):
+            a_scores, b_scores = {text: score for score, text in a}, {text: score for score, text in b}
+            assert all(abs(a_scores[text] - b_scores[text]) < 1e-3 for text in a_scores.keys() & b_scores.keys())
+            if a_scores.keys() == b_scores.keys():
+                same_sets += 1
+                assert a[0][1] == b[0][1], (beam, lenpen)
+        assert same_sets == len(lines) if beam == 1 else same_sets >= len(lines) // 2
+
+
+@pytest.mark.parametrize("variant", [dict(norm_first=True), dict(norm_first=False),
+                                     dict(positions="learned", share_embeddings=False),
+                                     dict(share_embeddings=False, src_vocab_size=300)],
+                         ids=["prenorm-shared-sinusoidal", "postnorm", "learned-positions-separate-embeddings",
+                              "separate-vocabularies"])
+def test_every_model_variant_converts(trained, tmp_path, variant):
+    """Untrained models of each variant: CTranslate2's greedy output equals dsmt's on the toy test lines."""
+    import ctranslate2
+    import sentencepiece as spm
+
+    from dsmt.checkpoint import write_model_dir
+    from dsmt.ct2 import export_ctranslate2
+
+    root, data = trained
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=300, d_model=32, n_heads=4, n_encoder_layers=2, n_decoder_layers=2, d_ff=64,
+                      pad_id=PAD, **variant)
+    model = Transformer(cfg).eval()
+    for p in model.parameters():  # well-separated logits, so that round-off breaks no tie
+        p.data.mul_(3.0)
+    spm_file = data / "spm.model"
+    write_model_dir(str(tmp_path / "dsmt"), model.state_dict(), cfg, {"src": spm_file, "tgt": spm_file})
+    export_ctranslate2(str(tmp_path / "dsmt"), str(tmp_path / "ct2"), None)
+    joint = "src_vocab_size" not in variant
+    names = {p.name for p in (tmp_path / "ct2").iterdir()}
+    assert ("spm.model" in names) == joint and ("spm.src.model" in names) == (not joint)
+    sp = spm.SentencePieceProcessor(model_file=str(spm_file))
+    lines = data.joinpath("test.en.txt").read_text().splitlines()[:30]
+    results = ctranslate2.Translator(str(tmp_path / "ct2")).translate_batch(
+        [sp.encode(line, out_type=str) for line in lines], beam_size=1, max_decoding_length=20,
+        min_decoding_length=0)  # CTranslate2's default, 1, forbids the empty translation dsmt allows
+    src = encoded_test_lines(root, data, 30)
+    memory = model.encode(src)
+    with torch.no_grad():
+        expected = greedy(lambda prefix: model.decode(prefix, memory, src), len(src), "cpu", BOS, EOS, PAD, 20)
+    assert [[sp.piece_to_id(t) for t in r.hypotheses[0]] for r in results] == expected
+
+
+@pytest.mark.parametrize("quantization", ["int8", "float16"])
+def test_quantized_export_translates(trained, tmp_path, quantization):
+    root, data = trained
+    out = tmp_path / quantization
+    result = dsmt("export", "--checkpoint", str(root / "zero0"), "--out", str(out), "--format", "ctranslate2",
+                  "--quantization", quantization)
+    assert result.returncode == 0, result.stderr
+    lines = data.joinpath("test.en.txt").read_text().splitlines()[:20]
+    translated = dsmt("translate", "--checkpoint", str(out), "--beam", "5", stdin="\n".join(lines) + "\n")
+    assert translated.returncode == 0 and len(translated.stdout.splitlines()) == 20
+    assert sum(bool(t) for t in translated.stdout.splitlines()) == 20
+
+
+def test_decode_benchmark_prints_dsmt_and_ctranslate2_rows(trained, tmp_path):
+    """benchmarks/decode.py runs (untimed) and prints a row per engine and search, BLEU included."""
+    root, data = trained
+    for side, lang in (("src", "en"), ("ref", "de")):
+        lines = data.joinpath(f"test.{lang}.txt").read_text().splitlines()[:8]
+        (tmp_path / side).write_text("\n".join(lines) + "\n")
+    done = subprocess.run([PYTHON, "benchmarks/decode.py", "--checkpoint", str(root / "export_zero0"), "--src",
+                           str(tmp_path / "src"), "--ref", str(tmp_path / "ref"), "--threads", "1", "--device", "cpu"],
+                          cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split(" | ") for line in done.stdout.splitlines() if line.startswith("| ") and "×" in line]
+    engines = [(row[0].strip("| "), row[1]) for row in rows]
+    assert engines == [(engine, search) for search in ("beam 5", "greedy")
+                       for engine in ("dsmt", "dsmt", "CTranslate2 float32", "CTranslate2 int8")]
+    assert all(float(row[-1].strip(" |")) > 0 for row in rows)

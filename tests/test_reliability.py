@@ -319,6 +319,13 @@ def bad_inputs(tmp: Path, toy: Path, checkpointed: Path) -> dict:
         "outputs that can hold no token": (translate + ["--max-len-a", "-1", "--max-len-b", "0"],
                                            ["--max-len-a -1.0 --max-len-b 0", "no token"]),
         "outputs of length 0": (translate + ["--max-len-a", "0", "--max-len-b", "0"], ["--max-len-a 0.0 --max-len-b 0"]),
+        "a GPU that is not there": (translate + ["--device", "cuda:99"], ["--device cuda:99", "CUDA device(s)",
+                                                                         "--device cpu"]),
+        "a device that does not exist": (evaluate + ["--device", "gpu"], ["--device gpu: not a device", "cuda:N"]),
+        "an unknown quantization": (["export", "--checkpoint", checkpointed, "--out", tmp / "ct2", "--format",
+                                     "ctranslate2", "--quantization", "int3"], ["--quantization int3", "int8"]),
+        "quantizing dsmt's own format": (["export", "--checkpoint", checkpointed, "--out", tmp / "m", "--quantization",
+                                          "int8"], ["--quantization applies to --format ctranslate2"]),
     }
 
 
@@ -333,7 +340,9 @@ BAD_INPUTS = ["unknown config key", "wrong value type", "inconsistent ZeRO batch
               "output in a missing folder", "hypotheses in a missing folder", "input that is a folder",
               "output_dir that is a file", "output_dir that is a user's folder", "empty valid split", "valid sentence longer than a batch",
               "valid sentence longer than the positions", "vocabulary size 0", "source language equal to target",
-              "test split named like train", "outputs that can hold no token", "outputs of length 0"]
+              "test split named like train", "outputs that can hold no token", "outputs of length 0",
+              "a GPU that is not there", "a device that does not exist", "an unknown quantization",
+              "quantizing dsmt's own format"]
 
 
 @pytest.mark.slow
