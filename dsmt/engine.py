@@ -205,11 +205,23 @@ def init_distributed(timeout_minutes: float) -> tuple[int, int, int]:
     else:  # plain `python launch/train.py`: no launcher, no MPI
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
-                               timeout=timedelta(minutes=timeout_minutes))
+    timeout = timedelta(minutes=timeout_minutes)
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), timeout=timeout)
+    _time_out_new_groups(timeout)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     _unlink_shm_buffer(rank)
     return rank, world, local_world_size(os.environ, world)
+
+
+def _time_out_new_groups(timeout: timedelta) -> None:
+    """Give the process groups made after this one the job's timeout too. DeepSpeed all-reduces gradients in
+    groups of its own (its data-parallel group is a clone of the world) made with ``new_group(ranks)``, which
+    torch gives its default timeout (30 minutes for Gloo, 10 for NCCL), so a rank stuck before a gradient
+    all-reduce would hold its peers that long. torch reads that default from these module globals whenever a
+    group is made without a timeout."""
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d.default_pg_timeout = distributed_c10d.default_pg_nccl_timeout = timeout
 
 
 def local_world_size(env, world: int) -> int:
