@@ -40,6 +40,9 @@ def main():
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--result", help="write this run's figures here (JSON)")
     parser.add_argument("--baseline", help="the 1-GPU run's --result: prints the scaling efficiency")
+    parser.add_argument("--profile", metavar="DIR", help="after the timed steps, profile 3 more with torch.profiler "
+                        "and write rank 0's tables (host and device time per operator, and the host's share "
+                        "of a step) to DIR/profile-STAGE-NGPUS.txt")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="more config overrides")
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # from the deepspeed launcher
     args = parser.parse_args()
@@ -51,6 +54,8 @@ def main():
                                      "train.warmup_steps=4000", *args.overrides])
         trainer = Trainer(cfg)
         row = measure(trainer, args)
+        if args.profile:
+            profile_steps(trainer, args)
         trainer.batches.close()
     if trainer.rank == 0:
         report(row, args)
@@ -87,6 +92,38 @@ def measure(trainer: Trainer, args) -> dict:
             "model": f"{args.preset} {sum(map(numel, model.parameters())) / 1e6:.1f}M",
             "tokens_per_s_per_gpu": tokens / seconds / world, "tflops_per_gpu": summed.item() / seconds / world / 1e12,
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else None}
+
+
+def profile_steps(trainer: Trainer, args, steps: int = 3) -> None:
+    """Where a step's time goes: per operator, the host's time (Python, dispatch, launches, waits) and the
+    device's; a step whose device time is far below its wall time is held back by the host."""
+    from pathlib import Path
+
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = trainer.engine.device.type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            trainer.train_step()
+        if cuda:
+            torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / steps
+    if trainer.rank != 0:
+        return
+    table = prof.key_averages()
+    kernels = [event for event in table if event.device_type == torch.autograd.DeviceType.CUDA]
+    device_time = sum(event.self_device_time_total for event in kernels) / steps / 1e6
+    stage = Path(args.deepspeed_config).stem
+    lines = [f"{stage}, {trainer.world} GPU(s), {args.preset} {args.precision}, data.max_tokens={args.max_tokens}: "
+             f"{wall * 1e3:.1f} ms a step under the profiler, with {device_time * 1e3:.1f} ms of device kernels",
+             table.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70)]
+    if cuda:
+        lines.append(table.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70))
+    folder = Path(args.profile)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"profile-{stage}-{trainer.world}.txt").write_text("\n".join(lines) + "\n")
 
 
 def report(row: dict, args) -> None:

@@ -2,7 +2,7 @@
 # The GPU check: the real Trainer step (benchmarks/gpu_check.py) for transformer_big in bf16 at ZeRO-0, -2
 # and -3, on one GPU and then on every local GPU (with the scaling efficiency), on WMT-shaped batches of a
 # generated corpus. One table row each: tokens/s per GPU, model TFLOP/s, MFU, peak memory. Installs nothing.
-#   bash benchmarks/gpu_check.sh [gpu_check.py options, e.g. --steps 50 --max-tokens 8192]
+#   bash benchmarks/gpu_check.sh [gpu_check.py options, e.g. --steps 50 --max-tokens 8192 --profile DIR]
 # PAIRS (default 200000) and VOCAB (default 32000) size the generated corpus and its sentencepiece model.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -30,12 +30,12 @@ def test_bleu_plot_is_drawn_from_tensorboard_scalars(tmp_path):
 
 
 @pytest.mark.slow
-def test_gpu_check_runs_end_to_end_on_cpu_and_prints_a_row_per_stage():
+def test_gpu_check_runs_end_to_end_on_cpu_and_prints_a_row_per_stage(tmp_path):
     """The GPU check cannot be timed here, but all of it (generated corpus, prepare, the real Trainer under the
     deepspeed launcher at ZeRO-0/2/3, the FLOPs count) runs on a CPU as well, so it cannot rot."""
     done = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--preset", "small", "--precision", "fp32",
-                           "--max-tokens", "512", "--steps", "2", "--warmup", "1", "model.d_model=64", "model.d_ff=128",
-                           "train.threads=1"], cwd=REPO, capture_output=True, text=True, timeout=600,
+                           "--max-tokens", "512", "--steps", "2", "--warmup", "1", "--profile", str(tmp_path),
+                           "model.d_model=64", "model.d_ff=128", "train.threads=1"], cwd=REPO, capture_output=True, text=True, timeout=600,
                           env=run_env(PAIRS="2000", VOCAB="400", PYTHON=PYTHON,
                                       DEEPSPEED=str(Path(PYTHON).parent / "deepspeed")))
     assert done.returncode == 0, done.stderr[-2000:]
@@ -44,6 +44,9 @@ def test_gpu_check_runs_end_to_end_on_cpu_and_prints_a_row_per_stage():
     for row in rows:
         assert row[1] == "1" and float(row[6].replace(",", "")) > 0 and float(row[7]) >= 0 and "n/a" in row[8]
     assert len({row[2] for row in rows}) == 1  # ZeRO-3 counts its partitioned parameters whole
+    for stage in (0, 2, 3):  # --profile: one operator table per run
+        text = (tmp_path / f"profile-zero{stage}-1.txt").read_text()
+        assert "ms a step under the profiler" in text and "aten::mm" in text
 
 
 def test_train_throughput_takes_turns_and_prints_the_table(toy_data):
