@@ -21,8 +21,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dsmt.loss import label_smoothed_nll
+
+# The SDPA kernels attention may use. Left to choose, PyTorch prefers cuDNN's attention on Hopper GPUs, which
+# builds an execution plan for every new shape: ~10 ms of host time per call, 65% of a transformer_big training
+# step on an H200 (docs/results.md). Token batching gives nearly every batch new shapes, and decoding every step;
+# Flash (no mask) and memory-efficient (with a mask) kernels take any shape with no set-up. Math is the fallback.
+ATTENTION_KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def key_padding_mask(tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
@@ -161,8 +168,9 @@ class Attention(nn.Module):
                 k, v = (self._heads(t) for t in self.kv(memory).chunk(2, dim=-1))
                 if cache is not None:
                     cache["k"], cache["v"] = k, v
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                             dropout_p=self.dropout if self.training else 0.0, is_causal=causal)
+        with sdpa_kernel(ATTENTION_KERNELS):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                 dropout_p=self.dropout if self.training else 0.0, is_causal=causal)
         out = out.transpose(1, 2).flatten(2)
         return self.out(out if rows is None else rows.pack(out))
 

@@ -226,13 +226,16 @@ class HostSyncWatch(TorchFunctionMode):
 
     def __init__(self):
         super().__init__()
-        self.syncs, self.masks = [], []
+        self.syncs, self.masks, self.kernels = [], [], set()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         if func is F.scaled_dot_product_attention:
             self.masks.append(kwargs.get("attn_mask", args[3] if len(args) > 3 else None))
+            backends = torch.backends.cuda
+            self.kernels.add((backends.flash_sdp_enabled(), backends.mem_efficient_sdp_enabled(),
+                              backends.math_sdp_enabled(), backends.cudnn_sdp_enabled()))
         if name in self.READS:
             self.syncs.append(name)
         if name in ("__getitem__", "__setitem__", "index_put_", "index_put") and any(
@@ -258,7 +261,8 @@ def padding_of(src, tgt):
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
 def test_training_pass_with_host_padding_has_no_host_sync_and_equals_the_token_derived_one(model, padded):
     """With the ``Padding`` built on the host, a training forward and backward reads nothing back from the device,
-    a batch without source padding reaches SDPA without a mask (FlashAttention's condition), and the loss and
+    a batch without source padding reaches SDPA without a mask (FlashAttention's condition) and never cuDNN's
+    kernel, and the loss and
     gradients equal those of the path that derives everything from the tokens."""
     model.train()
     lengths = (SRC_LENS, TGT_LENS) if padded else ([6] * 8, [5] * 8)
@@ -270,6 +274,8 @@ def test_training_pass_with_host_padding_has_no_host_sync_and_equals_the_token_d
     with HostSyncWatch() as watch:
         loss, nll, grads = training_pass(model, src, tgt_in, tgt_out, padding)
     assert watch.syncs == []
+    # cuDNN's attention plans every new shape on the host (~10 ms a call): SDPA may use Flash, memory-efficient, math
+    assert watch.kernels == {(True, True, True, False)}
     masks, decoder_layers = watch.masks, len(model.decoder_layers)
     assert len(masks) == len(model.encoder_layers) + 2 * decoder_layers
     if padded:  # encoder self-attention and cross-attention mask the source padding; decoder self-attention is causal
