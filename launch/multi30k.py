@@ -5,9 +5,11 @@
 
 Extra ``key=value`` arguments override ``launch/configs/multi30k_en_de.yaml``. After training, the candidates
 are the best-BLEU checkpoint and the averages of the last 1, 3 and 5 checkpoints; each is decoded on
-valid with beam 5, and the length penalty (0.6 to 2.2) is chosen on valid for the best one. Only that
-model and penalty translate test2016. The result (test sacreBLEU and chrF with signatures, the choices, minutes,
-machine) is printed and written to OUTPUT_DIR/results.json.
+valid with beam 5, then the length penalty (0.6 to 2.2) for the chosen one. Each choice keeps its default (the
+average of the last 5; `dsmt translate`'s penalty 0.6) unless a candidate beats it by more than the valid set's
+noise (``dsmt.selection``). Only that model and penalty translate test2016. The result (test sacreBLEU and chrF
+with signatures, the choices with valid BLEU, length ratio and p-value, minutes, machine) is printed and written
+to OUTPUT_DIR/results.json.
 """
 
 import argparse
@@ -24,16 +26,24 @@ from dsmt import DsmtError
 from dsmt.checkpoint import TAG, average, checkpoints_dir
 from dsmt.cli import main as dsmt
 from dsmt.config import load_config
-from dsmt.translate import Translator, evaluate
+from dsmt.selection import choose, describe
+from dsmt.translate import Translator, evaluate, read_input
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "launch" / "configs" / "multi30k_en_de.yaml"  # De→En overrides its data and output dirs
-LENPENS = (0.6, 1.0, 1.4, 1.8, 2.2)  # 1.4 won every earlier run: the grid reaches past it
+LENPENS = (0.6, 1.0, 1.4, 1.8, 2.2)  # the first is the default, dsmt translate's
+DEFAULT_MODEL = "average of last 5"
 
 
-def valid_bleu(model_dir: str, data: Path, src: str, tgt: str, lenpen: float) -> float:
-    translator = Translator(model_dir, beam=5, lenpen=lenpen)
-    return evaluate(translator, str(data / f"valid.{src}.txt"), str(data / f"valid.{tgt}.txt"))["bleu"]
+def valid_choice(kind: str, decoders: dict, data: Path, src: str, tgt: str, default: str) -> tuple[str, dict]:
+    """Decode valid with each of ``decoders`` (name -> Translator), choose one (``dsmt.selection``), print why."""
+    sources, references = read_input(str(data / f"valid.{src}.txt")), read_input(str(data / f"valid.{tgt}.txt"))
+    chosen, scored = choose({name: translator.translate(sources) for name, translator in decoders.items()},
+                            references, default)
+    for name, score in scored.items():
+        print(describe(name, score), flush=True)
+    print(f"{kind}: {chosen}", flush=True)
+    return chosen, {name: vars(score) for name, score in scored.items()}
 
 
 def candidates(run: Path) -> dict[str, list[str]]:
@@ -61,18 +71,17 @@ def main():
         sys.exit(2)
     subprocess.run([sys.executable, str(REPO / "launch" / "train.py"), "--config", str(CONFIG), *overrides], check=True)
 
-    scores = {}
+    models = {}
     for name, paths in candidates(run).items():
-        model_dir = str(run / "models" / name.replace(" ", "_"))
-        average(paths, model_dir)
-        scores[name] = (valid_bleu(model_dir, data, args.src, args.tgt, LENPENS[0]), model_dir)
-        print(f"valid BLEU {scores[name][0]:.2f}: {name}", flush=True)
-    chosen = max(scores, key=lambda k: scores[k][0])
-    model_dir = scores[chosen][1]
-    by_lenpen = {LENPENS[0]: scores[chosen][0]}
-    by_lenpen.update({lp: valid_bleu(model_dir, data, args.src, args.tgt, lp) for lp in LENPENS[1:]})
-    lenpen = max(by_lenpen, key=by_lenpen.get)
-    print(f"valid BLEU by length penalty: {by_lenpen}; chosen {lenpen}", flush=True)
+        models[name] = str(run / "models" / name.replace(" ", "_"))
+        average(paths, models[name])
+    default = DEFAULT_MODEL if DEFAULT_MODEL in models else next(iter(models))  # fewer than 5 checkpoints: last 1
+    chosen, by_model = valid_choice("model", {name: Translator(path, beam=5, lenpen=LENPENS[0])
+                                              for name, path in models.items()}, data, args.src, args.tgt, default)
+    model_dir = models[chosen]
+    lenpen, by_lenpen = valid_choice("length penalty", {str(lp): Translator(model_dir, beam=5, lenpen=lp)
+                                                        for lp in LENPENS}, data, args.src, args.tgt, str(LENPENS[0]))
+    lenpen = float(lenpen)
 
     test = evaluate(Translator(model_dir, beam=5, lenpen=lenpen), str(data / f"test2016.{args.src}.txt"),
                     str(data / f"test2016.{args.tgt}.txt"), str(run / "test2016.hyp"))
@@ -80,7 +89,7 @@ def main():
     last = [r for r in log if r["kind"] == "train"][-1]
     results = {"direction": f"{args.src}-{args.tgt}", "test_set": "test2016_flickr", "bleu": test["bleu"],
                "bleu_line": test["bleu_line"], "chrf_line": test["chrf_line"], "model": chosen, "lenpen": lenpen,
-               "valid_bleu": {name: s for name, (s, _) in scores.items()}, "valid_bleu_by_lenpen": by_lenpen,
+               "valid_by_model": by_model, "valid_by_lenpen": by_lenpen,
                "steps": last["step"], "train_minutes": last["wall_minutes"],
                "machine": f"{os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), "
                           f"torch {torch.__version__}"}

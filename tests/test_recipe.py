@@ -5,6 +5,7 @@ import subprocess
 
 import pytest
 
+from dsmt.selection import SIGNIFICANCE
 from tests.conftest import PYTHON, REPO, run_env
 from tests.training import TINY_MODEL
 
@@ -20,10 +21,17 @@ def test_multi30k_recipe_chooses_on_valid_and_writes_its_test_result(tmp_path, m
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((run / "results.json").read_text())
     assert results["direction"] == "de-en" and results["steps"] == 5
-    assert {"average of last 1", "average of last 3", "average of last 5"} <= set(results["valid_bleu"])
-    # The model and the length penalty are the valid set's best; the test set only gets translated.
-    assert results["model"] == max(results["valid_bleu"], key=results["valid_bleu"].get)
-    by_lenpen = {float(k): v for k, v in results["valid_bleu_by_lenpen"].items()}
-    assert results["lenpen"] == max(by_lenpen, key=by_lenpen.get)
+    by_model, by_lenpen = results["valid_by_model"], results["valid_by_lenpen"]
+    assert {"average of last 1", "average of last 3", "average of last 5"} <= set(by_model)
+    assert set(by_lenpen) == {"0.6", "1.0", "1.4", "1.8", "2.2"}
+    # Each choice is its default unless a candidate beats it by more than the valid set's noise; the test set
+    # only gets translated.
+    for chosen, scores, default in ((results["model"], by_model, "average of last 5"),
+                                    (str(results["lenpen"]), by_lenpen, "0.6")):
+        assert scores[default]["p_value"] is None and all(s["length_ratio"] > 0 for s in scores.values())
+        winners = {name: s["bleu"] for name, s in scores.items()
+                   if name != default and s["p_value"] < SIGNIFICANCE and s["bleu"] > scores[default]["bleu"]}
+        assert chosen == max(winners, key=winners.get, default=default)
+        assert f"valid BLEU {scores[chosen]['bleu']:.2f}, length ratio" in done.stdout
     assert "nrefs:1|case:mixed|eff:no|tok:13a" in results["bleu_line"] and results["bleu_line"] in done.stdout
     assert len((run / "test2016.hyp").read_text().splitlines()) == 1000
