@@ -10,6 +10,7 @@ import argparse
 import json
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -97,8 +98,6 @@ def measure(trainer: Trainer, args) -> dict:
 def profile_steps(trainer: Trainer, args, steps: int = 3) -> None:
     """Where a step's time goes: per operator, the host's time (Python, dispatch, launches, waits) and the
     device's; a step whose device time is far below its wall time is held back by the host."""
-    from pathlib import Path
-
     from torch.profiler import ProfilerActivity, profile
 
     cuda = trainer.engine.device.type == "cuda"

@@ -36,10 +36,12 @@ DEFAULT_MODEL = "average of last 5"
 
 
 def valid_choice(kind: str, decoders: dict, data: Path, src: str, tgt: str, default: str) -> tuple[str, dict]:
-    """Decode valid with each of ``decoders`` (name -> Translator), choose one (``dsmt.selection``), print why."""
+    """Decode valid with beam 5 by each of ``decoders`` (name -> (model dir, length penalty)), one model loaded
+    at a time, choose one (``dsmt.selection``), print why."""
     sources, references = read_input(str(data / f"valid.{src}.txt")), read_input(str(data / f"valid.{tgt}.txt"))
-    chosen, scored = choose({name: translator.translate(sources) for name, translator in decoders.items()},
-                            references, default)
+    hypotheses = {name: Translator(model_dir, beam=5, lenpen=lenpen).translate(sources)
+                  for name, (model_dir, lenpen) in decoders.items()}
+    chosen, scored = choose(hypotheses, references, default)
     for name, score in scored.items():
         print(describe(name, score), flush=True)
     print(f"{kind}: {chosen}", flush=True)
@@ -76,11 +78,11 @@ def main():
         models[name] = str(run / "models" / name.replace(" ", "_"))
         average(paths, models[name])
     default = DEFAULT_MODEL if DEFAULT_MODEL in models else next(iter(models))  # fewer than 5 checkpoints: last 1
-    chosen, by_model = valid_choice("model", {name: Translator(path, beam=5, lenpen=LENPENS[0])
-                                              for name, path in models.items()}, data, args.src, args.tgt, default)
+    chosen, by_model = valid_choice("model", {name: (path, LENPENS[0]) for name, path in models.items()},
+                                    data, args.src, args.tgt, default)
     model_dir = models[chosen]
-    lenpen, by_lenpen = valid_choice("length penalty", {str(lp): Translator(model_dir, beam=5, lenpen=lp)
-                                                        for lp in LENPENS}, data, args.src, args.tgt, str(LENPENS[0]))
+    lenpen, by_lenpen = valid_choice("length penalty", {str(lp): (model_dir, lp) for lp in LENPENS},
+                                     data, args.src, args.tgt, str(LENPENS[0]))
     lenpen = float(lenpen)
 
     test = evaluate(Translator(model_dir, beam=5, lenpen=lenpen), str(data / f"test2016.{args.src}.txt"),

@@ -35,7 +35,8 @@ def test_gpu_check_runs_end_to_end_on_cpu_and_prints_a_row_per_stage(tmp_path):
     deepspeed launcher at ZeRO-0/2/3, the FLOPs count) runs on a CPU as well, so it cannot rot."""
     done = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--preset", "small", "--precision", "fp32",
                            "--max-tokens", "512", "--steps", "2", "--warmup", "1", "--profile", str(tmp_path),
-                           "model.d_model=64", "model.d_ff=128", "train.threads=1"], cwd=REPO, capture_output=True, text=True, timeout=600,
+                           "model.d_model=64", "model.d_ff=128", "train.threads=1"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600,
                           env=run_env(PAIRS="2000", VOCAB="400", PYTHON=PYTHON,
                                       DEEPSPEED=str(Path(PYTHON).parent / "deepspeed")))
     assert done.returncode == 0, done.stderr[-2000:]

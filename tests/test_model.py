@@ -262,8 +262,7 @@ def padding_of(src, tgt):
 def test_training_pass_with_host_padding_has_no_host_sync_and_equals_the_token_derived_one(model, padded):
     """With the ``Padding`` built on the host, a training forward and backward reads nothing back from the device,
     a batch without source padding reaches SDPA without a mask (FlashAttention's condition) and never cuDNN's
-    kernel, and the loss and
-    gradients equal those of the path that derives everything from the tokens."""
+    kernel, and the loss and gradients equal those of the path that derives everything from the tokens."""
     model.train()
     lengths = (SRC_LENS, TGT_LENS) if padded else ([6] * 8, [5] * 8)
     src, tgt = padded_batch(lengths[0], seed=11), padded_batch([n + 1 for n in lengths[1]], seed=12)
