@@ -11,6 +11,10 @@ drifts by up to 20% within minutes, and turns this short see the same drift. The
 ratio of summed step times on identical batches; the spread of the per-step ratios shows the noise.
 dsmt's process-wide settings (threads, ``keep_freed_memory``) hold for the baseline as well, so the
 ratio is what dsmt's model, loss and loop gain. Tokens are real (non-pad) source + target tokens.
+A second dsmt trainer, with ``data.subword_sampling`` on, takes its turns on its own sampled stream, each
+batch segmented and collated inside its timed step (no prefetch thread to hide the cost) and each step
+charged its share of the epoch plan (a sampled pass over the whole corpus, timed separately): its
+tokens/s against dsmt's is what sampling costs at most.
 Model GFLOP/s (benchmarks/flops.py, padded positions included) against the matrix multiply's rate
 shows how much headroom is left: on identical batches every trainer does the same model arithmetic.
 """
@@ -19,6 +23,7 @@ import argparse
 import math
 import statistics
 import tempfile
+import threading
 import time
 import warnings
 
@@ -91,6 +96,27 @@ def dsmt_step(trainer, batches):
     return lambda batch: trainer.train_step()
 
 
+def sampling_step(trainer) -> tuple:
+    """dsmt's step on its own subword-sampling stream, each next batch segmented and collated inside the step;
+    returns the step and the list of the batches it built, and the seconds of an epoch plan per step."""
+    trainer.batches.close()
+    stream, built = trainer.batches.stream, []
+    for thread in threading.enumerate():  # the next epoch's plan, begun in the background: not in the turns
+        if thread.name == "dsmt-next-epoch":
+            thread.join()
+    start = time.perf_counter()
+    batches_per_epoch = len(stream.plan(stream.epoch + 1)[1])
+    plan_per_step = (time.perf_counter() - start) / batches_per_epoch
+
+    def build():
+        for batch in stream:
+            built.append(batch)
+            yield trainer._host_batch(batch), None
+    trainer.batches = build()
+    trainer.begin()
+    return (lambda batch: trainer.train_step()), built, plan_per_step
+
+
 def matmul_step(a, b):
     def step(_):
         a @ b
@@ -131,25 +157,30 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=4096)
     parser.add_argument("--tutorial-batch", type=int, default=128, help="sentences per tutorial-style batch")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--sampling", nargs="*", default=["data.subword_sampling.enabled=true"],
+                        help="the overrides of the subword-sampling trainer (default: its defaults)")
     args = parser.parse_args()
     # The tutorials' float causal mask beside a bool padding mask: PyTorch warns, and it is what they do.
     warnings.filterwarnings("ignore", message="Support for mismatched key_padding_mask")
     count = args.warmup + args.steps
     with tempfile.TemporaryDirectory() as out:
-        cfg = load_config(overrides=[f"data.dir={args.data}", f"train.output_dir={out}", "train.resume=none",
-                                     f"train.threads={args.threads}", "train.precision=fp32",
-                                     "train.deepspeed_config=ds_configs/zero0.json"])
+        common = [f"data.dir={args.data}", "train.resume=none", f"train.threads={args.threads}",
+                  "train.precision=fp32", "train.deepspeed_config=ds_configs/zero0.json"]
+        cfg = load_config(overrides=[*common, f"train.output_dir={out}"])
         fill_model_config(cfg, load_meta(args.data), args.data)
         m, pad = cfg.model, cfg.model.pad_id
         bucketed, tutorial = load_batches(args, ParallelData(args.data, "train"), count)
         torch.manual_seed(1)
         trainer = Trainer(cfg)  # sets threads and the allocator for this whole process
+        sampling = Trainer(load_config(overrides=[*common, f"train.output_dir={out}/sampling", *args.sampling]))
+        sampled_step, sampled, plan_per_step = sampling_step(sampling)
         baseline = lambda: TutorialTransformer(m.vocab_size, m.d_model, m.n_heads, m.n_encoder_layers,  # noqa: E731
                                                m.d_ff, m.dropout, pad)
         square = torch.randn(MATMUL_SIZE, MATMUL_SIZE)
         steps = {"baseline": baseline_step(baseline(), pad), "baseline_tutorial": baseline_step(baseline(), pad),
-                 "dsmt": dsmt_step(trainer, bucketed), "matmul": matmul_step(square, square)}
-        batches = {"baseline": bucketed, "baseline_tutorial": tutorial, "dsmt": bucketed, "matmul": [None] * count}
+                 "dsmt": dsmt_step(trainer, bucketed), "dsmt_sampling": sampled_step, "matmul": matmul_step(square, square)}
+        batches = {"baseline": bucketed, "baseline_tutorial": tutorial, "dsmt": bucketed, "dsmt_sampling": [None] * count,
+                   "matmul": [None] * count}
         seconds = take_turns(steps, batches, args.warmup, count)
         model = trainer.engine.module
         dsmt_parameters, counts = sum(p.numel() for p in model.parameters()), parameter_counts(model)
@@ -176,6 +207,11 @@ def main():
                 else f"random order, {args.tutorial_batch} sentences")
         print(f"| {description} | {kind} | {padding(batches[name], pad):.1%} | {speed[name]:.0f} | "
               f"{speed[name] / speed['baseline']:.2f}× | {flops / 1e9:.0f} ({flops / peak:.0%}) |")
+    timed = sampled[args.warmup:count]  # the step that built a batch trains on it next: the same count
+    sampled_speed = sum(real_tokens(b, pad) for b in timed) / (sum(seconds["dsmt_sampling"]) + plan_per_step * len(timed))
+    print(f"dsmt with subword sampling ({' '.join(args.sampling)}): {sampled_speed:.0f} real src+tgt tokens/s, "
+          f"{sampled_speed / speed['dsmt']:.2f}× dsmt's (batches built in the step; epoch plan "
+          f"{plan_per_step * 1000:.0f} ms a step, included)")
 
 
 if __name__ == "__main__":

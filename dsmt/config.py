@@ -53,10 +53,21 @@ MODEL_PRESETS = {
 
 
 @dataclass
+class SubwordSamplingConfig:
+    """Training sentences segmented anew each epoch (unigram sentencepiece models); evaluation is never sampled."""
+    enabled: bool = False
+    sides: str = ranged("both", choices=("both", "src", "tgt"))
+    # Kudo's (2018) n-best sampling: one of the n best segmentations, drawn with probability ∝ P(x)^alpha
+    alpha: float = ranged(0.1, 0.0, 1.0, low_open=True)
+    nbest: int = ranged(16, 2)
+
+
+@dataclass
 class DataConfig:
     dir: str = "data/toy"  # a `dsmt prepare` output
     max_tokens: int = ranged(4096, 1)  # per micro-batch, padded source and padded target each
     valid_split: str = "valid"
+    subword_sampling: SubwordSamplingConfig = field(default_factory=SubwordSamplingConfig)
 
 
 @dataclass

@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from dsmt import DsmtError, checkpoint, faults
 from dsmt.data.batching import BatchStream, ParallelData, Prefetcher, epoch_batches
+from dsmt.data.sampling import SubwordSampler
 from dsmt.data.prepare import load_meta
 from dsmt.decode import cached_logits, greedy, max_output_length
 from dsmt.engine import (allow_tf32, build_engine, close_distributed, gradient_bytes, init_distributed,
@@ -133,6 +134,7 @@ class Trainer:
         self.valid_data = ParallelData(cfg.data.dir, cfg.data.valid_split)
         check_lengths(self.train_data, "train", cfg)
         check_lengths(self.valid_data, cfg.data.valid_split, cfg)
+        sampler = self._subword_sampler()
         self.references = (Path(cfg.data.dir) / f"{cfg.data.valid_split}.{meta['tgt']}.txt").read_text().splitlines()
         self.spm_paths = {side: str(Path(cfg.data.dir) / meta["spm"][meta[side]]) for side in ("src", "tgt")}
         self.sp = spm.SentencePieceProcessor(model_file=self.spm_paths["tgt"])
@@ -148,7 +150,7 @@ class Trainer:
         self.accumulation = ds_config["gradient_accumulation_steps"]
         self.precision = next((k for k in ("fp16", "bf16") if ds_config[k]["enabled"]), "fp32")
         self.pin_memory = self.engine.device.type == "cuda"
-        stream = BatchStream(self.train_data, cfg.data.max_tokens, cfg.train.seed, self.rank, self.world)
+        stream = BatchStream(self.train_data, cfg.data.max_tokens, cfg.train.seed, self.rank, self.world, sampler)
         self.step, self.best_bleu, self.minutes_before, self.grad_bytes = 0, -1.0, 0.0, None
         self.valid_bleu = {}  # step -> valid BLEU, this run's validations
         self.skipped_steps, self.skips_in_a_row, self.stop_signal = 0, 0, None
@@ -170,6 +172,14 @@ class Trainer:
             (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
             self.writer = SummaryWriter(str(out / "tensorboard"), purge_step=self.step + 1 if state else None)
             self.log_file = open(out / checkpoint.TRAIN_LOG, "a")
+
+    def _subword_sampler(self) -> SubwordSampler | None:
+        options, cfg = self.cfg.data.subword_sampling, self.cfg
+        if not options.enabled:
+            return None
+        fits = min(cfg.data.max_tokens, cfg.model.max_positions) - 1  # room left for EOS (BOS)
+        return SubwordSampler(self.train_data, cfg.data.dir, options.sides, options.alpha, options.nbest,
+                              cfg.train.seed, max_len=fits)
 
     def _resume_source(self) -> tuple:
         """(checkpoint to resume from or None, whether it is a universal one). A ZeRO checkpoint written by

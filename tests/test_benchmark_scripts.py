@@ -1,5 +1,6 @@
 """Benchmark scripts run (not timed): the BLEU plot from TensorBoard scalars, the GPU check on a CPU, the throughput table."""
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -59,3 +60,6 @@ def test_train_throughput_takes_turns_and_prints_the_table(toy_data):
     assert [row[0] for row in rows] == ["| plain PyTorch nn.Transformer"] * 2 + ["| dsmt, DeepSpeed ZeRO-0"]
     assert rows[0][4] == "1.00×" and all(float(row[3]) > 0 for row in rows)
     assert "dsmt vs baseline, per step: median" in done.stdout
+    sampled = re.search(r"dsmt with subword sampling \(data.subword_sampling.enabled=true\): (\d+) real src\+tgt "
+                        r"tokens/s, ([\d.]+)× dsmt's .* epoch plan (\d+) ms a step, included", done.stdout)
+    assert sampled and int(sampled[1]) > 0 and float(sampled[2]) > 0, done.stdout[-2000:]

@@ -292,6 +292,10 @@ def bad_inputs(tmp: Path, toy: Path, checkpointed: Path) -> dict:
         "accumulation 0": (run + ["train.grad_accum=0"], ["'train.grad_accum'=0"]),
         "negative max_steps": (run + ["train.max_steps=-1"], ["'train.max_steps'=-1", "[1, inf)"]),
         "ZeRO stage 7": (run + [f"train.deepspeed_config={stage7}"], ["stage7.json", "zero_optimization.stage=7"]),
+        "subword sampling alpha 0": (run + ["data.subword_sampling.alpha=0"],
+                                     ["'data.subword_sampling.alpha'=0.0", "(0.0, 1.0]"]),
+        "subword sampling nbest 0": (run + ["data.subword_sampling.nbest=0"],
+                                     ["'data.subword_sampling.nbest'=0", "[2, inf)"]),
         # Paths, checked before any work.
         "output in a missing folder": (translate + ["--input", tmp / "small" / "train.en", "--output",
                                                     tmp / "nowhere" / "out.de"], ["--output", "does not exist"]),
@@ -337,6 +341,7 @@ BAD_INPUTS = ["unknown config key", "wrong value type", "inconsistent ZeRO batch
               "export over a model dir holding a user's file", "prepare over a user's file",
               "negative learning rate", "heads that do not divide the width", "dropout of 1.5", "no warmup",
               "save interval 0", "accumulation 0", "negative max_steps", "ZeRO stage 7",
+              "subword sampling alpha 0", "subword sampling nbest 0",
               "output in a missing folder", "hypotheses in a missing folder", "input that is a folder",
               "output_dir that is a file", "output_dir that is a user's folder", "empty valid split", "valid sentence longer than a batch",
               "valid sentence longer than the positions", "vocabulary size 0", "source language equal to target",

@@ -14,6 +14,7 @@ import torch
 
 from dsmt import DsmtError
 from dsmt.data.prepare import load_meta
+from dsmt.data.sampling import SampledEpoch
 
 
 class ParallelData:
@@ -57,22 +58,29 @@ class ParallelData:
     def __len__(self) -> int:
         return len(self.src_lens)
 
-    def _rows(self, ids, offsets, indices, prefix, suffix) -> torch.Tensor:
-        width = max(int(offsets[i + 1] - offsets[i]) for i in indices) + len(prefix) + len(suffix)
-        rows = np.full((len(indices), width), self.pad, dtype=np.int64)
-        for row, i in enumerate(indices):
-            tokens = np.concatenate([prefix, ids[offsets[i]:offsets[i + 1]], suffix])
+    def tokens(self, side: str, index: int) -> np.ndarray:
+        """The prepared ids of sentence ``index`` on ``side`` ("src" or "tgt"), without EOS/BOS."""
+        ids, offsets = (self.src_ids, self.src_offsets) if side == "src" else (self.tgt_ids, self.tgt_offsets)
+        return ids[offsets[index]:offsets[index + 1]]
+
+    def _rows(self, sequences: list[np.ndarray], prefix, suffix) -> torch.Tensor:
+        width = max(map(len, sequences)) + len(prefix) + len(suffix)
+        rows = np.full((len(sequences), width), self.pad, dtype=np.int64)
+        for row, sequence in enumerate(sequences):
+            tokens = np.concatenate([prefix, sequence, suffix])
             rows[row, : len(tokens)] = tokens
         return torch.from_numpy(rows)
 
-    def collate(self, indices) -> dict:
+    def collate(self, indices, tokens=None) -> dict:
         """Right-padded ``src`` (x + EOS), ``tgt_in`` (BOS + y) and ``tgt_out`` (y + EOS) tensors; and on the host,
-        the sentence ``indices`` and the rows' real lengths (``src_lengths``; ``tgt_lengths``, of either target)."""
-        indices = np.asarray(indices)
-        return {"src": self._rows(self.src_ids, self.src_offsets, indices, [], [self.eos]),
-                "tgt_in": self._rows(self.tgt_ids, self.tgt_offsets, indices, [self.bos], []),
-                "tgt_out": self._rows(self.tgt_ids, self.tgt_offsets, indices, [], [self.eos]),
-                "indices": indices, "src_lengths": self.src_lens[indices], "tgt_lengths": self.tgt_lens[indices]}
+        the sentence ``indices`` and the rows' real lengths (``src_lengths``; ``tgt_lengths``, of either target).
+        ``tokens(side, index)`` gives a sentence's ids: the prepared ones unless a sampled epoch passes its own."""
+        indices, tokens = np.asarray(indices), tokens or self.tokens
+        src, tgt = [tokens("src", i) for i in indices], [tokens("tgt", i) for i in indices]
+        return {"src": self._rows(src, [], [self.eos]), "tgt_in": self._rows(tgt, [self.bos], []),
+                "tgt_out": self._rows(tgt, [], [self.eos]), "indices": indices,
+                "src_lengths": np.fromiter(map(len, src), np.int32, len(src)) + 1,
+                "tgt_lengths": np.fromiter(map(len, tgt), np.int32, len(tgt)) + 1}
 
 
 def token_batches(src_lens, tgt_lens, max_tokens: int, order) -> list[np.ndarray]:
@@ -114,29 +122,44 @@ def shard(batches: list, rank: int, world_size: int) -> list:
 
 
 class BatchStream:
-    """This rank's batches, epoch after epoch, without end; ``state_dict`` is (epoch, position)."""
+    """This rank's batches, epoch after epoch, without end; ``state_dict`` is (epoch, position). With a
+    ``SubwordSampler``, each epoch is segmented anew and planned from its sampled lengths, the next epoch's
+    plan worked out on a thread of its own while this one is trained on (it takes a pass over the text)."""
 
-    def __init__(self, data: ParallelData, max_tokens: int, seed: int, rank: int = 0, world_size: int = 1):
-        self.data, self.max_tokens, self.seed = data, max_tokens, seed
+    def __init__(self, data: ParallelData, max_tokens: int, seed: int, rank: int = 0, world_size: int = 1,
+                 sampler=None):
+        self.data, self.max_tokens, self.seed, self.sampler = data, max_tokens, seed, sampler
         self.rank, self.world_size = rank, world_size
         self.epoch, self.position = 0, 0
-        self._batches = None
+        self._batches = self._view = self._next_plan = None
+
+    def plan(self, epoch: int) -> tuple:
+        """(the data as ``epoch`` segments it, with its lengths and collate; this rank's batches of it)."""
+        view = self.data if self.sampler is None else SampledEpoch(self.data, self.sampler, epoch)
+        batches = epoch_batches(view.src_lens, view.tgt_lens, self.max_tokens, self.seed, epoch)
+        return view, shard(batches, self.rank, self.world_size)
 
     def batches(self, epoch: int) -> list[np.ndarray]:
-        all_batches = epoch_batches(self.data.src_lens, self.data.tgt_lens, self.max_tokens, self.seed, epoch)
-        return shard(all_batches, self.rank, self.world_size)
+        return self.plan(epoch)[1]
+
+    def _start(self, epoch: int) -> None:
+        ahead = self._next_plan
+        self.epoch, (self._view, self._batches) = epoch, (ahead.result() if ahead and ahead.epoch == epoch
+                                                            else self.plan(epoch))
+        self._next_plan = InBackground(epoch + 1, self.plan) if self.sampler is not None else None
 
     def __iter__(self):
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
         if self._batches is None:
-            self._batches = self.batches(self.epoch)
+            self._start(self.epoch)
         if self.position >= len(self._batches):
-            self.epoch, self.position, self._batches = self.epoch + 1, 0, self.batches(self.epoch + 1)
+            self.position = 0
+            self._start(self.epoch + 1)
         indices = self._batches[self.position]
         self.position += 1
-        return self.data.collate(indices)
+        return self._view.collate(indices)
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "world_size": self.world_size}
@@ -146,6 +169,29 @@ class BatchStream:
         (rounded up: a few batches may be skipped, none repeated)."""
         consumed = state["position"] * state["world_size"]
         self.epoch, self.position, self._batches = state["epoch"], -(-consumed // self.world_size), None
+
+
+class InBackground:
+    """``function(epoch)`` computed on a daemon thread (which never holds up the process's exit);
+    ``result()`` waits for it and raises what it raised."""
+
+    def __init__(self, epoch: int, function):
+        self.epoch, self._done, self._value, self._error = epoch, threading.Event(), None, None
+        threading.Thread(target=self._run, args=(function,), name="dsmt-next-epoch", daemon=True).start()
+
+    def _run(self, function) -> None:
+        try:
+            self._value = function(self.epoch)
+        except BaseException as error:
+            self._error = error
+        finally:
+            self._done.set()
+
+    def result(self):
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 class Prefetcher:

@@ -1,8 +1,9 @@
 """``dsmt prepare``: raw parallel text → a binarized data directory.
 
 The directory holds the sentencepiece model(s), per split and language a flat array of token ids and an
-array of sentence offsets (``np.load(..., mmap_mode="r")`` at train time), the raw text of the evaluation
-splits (references for BLEU), and ``meta.json``. It is built in a temporary sibling and renamed into
+array of sentence offsets (``np.load(..., mmap_mode="r")`` at train time), the training text the same way
+(UTF-8 bytes and offsets, for subword sampling), the raw text of the evaluation splits (references for
+BLEU), and ``meta.json``. It is built in a temporary sibling and renamed into
 place, so an interrupted or failed run never leaves a directory that looks complete.
 
 It streams, so memory does not grow with the corpus (WMT14 En-Fr has 36M pairs): a first pass checks every
@@ -28,7 +29,7 @@ from dsmt import DsmtError
 from dsmt.data.corpora import read_pairs, text_file
 from dsmt.files import Product, check_replaceable, staged_dir
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the training text is kept (train.LANG.utf8.npy, train.LANG.utf8_offsets.npy)
 SPECIALS = {"pad": 0, "unk": 1, "bos": 2, "eos": 3}
 
 
@@ -78,6 +79,8 @@ def _written_entries(data_dir: Path) -> set[str] | None:
             names |= {f"{split}.{lang}.ids.npy", f"{split}.{lang}.offsets.npy"}
             if split != "train":
                 names.add(f"{split}.{lang}.txt")
+            elif meta["format"] >= 2:
+                names |= {f"train.{lang}.utf8.npy", f"train.{lang}.utf8_offsets.npy"}
     return names
 
 
@@ -122,32 +125,46 @@ def _keep_mask(src_raw, tgt_raw, src_ids, tgt_ids, options: PrepareOptions) -> t
     return ~(empty | too_long | bad_ratio), dropped
 
 
-class IdsWriter:
-    """The token ids of one split and language, appended chunk by chunk to raw files beside the target and
-    turned into ``STEM.ids.npy`` and ``STEM.offsets.npy`` at the end; memory holds one chunk."""
+class RaggedWriter:
+    """Sequences of one split and language (token ids, or UTF-8 bytes), appended chunk by chunk to raw files
+    beside the target and turned into ``VALUES.npy`` and ``OFFSETS.npy`` at the end; memory holds one chunk."""
 
-    def __init__(self, folder: Path, stem: str, dtype):
-        self.folder, self.stem, self.dtype, self.total = folder, stem, np.dtype(dtype), 0
-        self.ids, self.offsets = open(folder / f"{stem}.ids.raw", "wb"), open(folder / f"{stem}.offsets.raw", "wb")
+    def __init__(self, folder: Path, values: str, offsets: str, dtype):
+        self.dtype, self.total = np.dtype(dtype), 0
+        self.values, self.offsets = open(folder / f"{values}.raw", "wb"), open(folder / f"{offsets}.raw", "wb")
         self.offsets.write(np.zeros(1, np.int64).tobytes())
 
-    def append(self, ids: list[list[int]]) -> None:
+    def append(self, values: np.ndarray, lengths: np.ndarray) -> None:
+        self.values.write(values.astype(self.dtype, copy=False).tobytes())
+        self.offsets.write((self.total + np.cumsum(lengths, dtype=np.int64)).tobytes())
+        self.total += int(values.size)
+
+    def append_ids(self, ids: list[list[int]]) -> None:
         lengths = np.fromiter(map(len, ids), np.int64, count=len(ids))
-        count = int(lengths.sum())
-        self.ids.write(np.fromiter(itertools.chain.from_iterable(ids), self.dtype, count=count).tobytes())
-        self.offsets.write((self.total + np.cumsum(lengths)).tobytes())
-        self.total += count
+        self.append(np.fromiter(itertools.chain.from_iterable(ids), self.dtype, count=int(lengths.sum())), lengths)
+
+    def append_text(self, lines: list[str]) -> None:
+        encoded = [line.encode("utf-8") for line in lines]
+        self.append(np.frombuffer(b"".join(encoded), np.uint8), np.fromiter(map(len, encoded), np.int64, len(encoded)))
 
     def close(self) -> int:
-        """Write the two .npy files; returns the number of tokens."""
-        for raw, dtype in ((self.ids, self.dtype), (self.offsets, np.dtype(np.int64))):
+        """Write the two .npy files; returns the number of values (tokens, or bytes)."""
+        for raw, dtype in ((self.values, self.dtype), (self.offsets, np.dtype(np.int64))):
             raw.close()
             _raw_to_npy(Path(raw.name), dtype)
         return self.total
 
 
+def ids_writer(folder: Path, stem: str, dtype) -> RaggedWriter:
+    return RaggedWriter(folder, f"{stem}.ids", f"{stem}.offsets", dtype)
+
+
+def text_writer(folder: Path, stem: str) -> RaggedWriter:
+    return RaggedWriter(folder, f"{stem}.utf8", f"{stem}.utf8_offsets", np.uint8)
+
+
 def _raw_to_npy(raw: Path, dtype: np.dtype) -> None:
-    """``STEM.KIND.raw`` (headerless) → ``STEM.KIND.npy``: the header, then the bytes copied as a stream (a
+    """``NAME.raw`` (headerless) → ``NAME.npy``: the header, then the bytes copied as a stream (a
     memory map of the output would count towards this process's resident memory)."""
     header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
               "shape": (raw.stat().st_size // dtype.itemsize,)}
@@ -216,8 +233,11 @@ def _binarize(name: str, prefix: str, pairs: int, folder: Path, processors: dict
     an evaluation split's text, kept whole for BLEU) to the files on disk."""
     langs = (options.src, options.tgt)
     info = {"files": [str(text_file(prefix, lang)) for lang in langs], "raw_pairs": pairs}
-    writers = {lang: IdsWriter(folder, f"{name}.{lang}", dtype) for lang in langs}
-    texts = {lang: open(folder / f"{name}.{lang}.txt", "w", encoding="utf-8") for lang in langs} if name != "train" else {}
+    writers = {lang: ids_writer(folder, f"{name}.{lang}", dtype) for lang in langs}
+    if name == "train":  # the kept pairs' text, for subword sampling
+        train_texts = {lang: text_writer(folder, f"{name}.{lang}") for lang in langs}
+    else:  # the whole split's text, for BLEU
+        texts = {lang: open(folder / f"{name}.{lang}.txt", "w", encoding="utf-8") for lang in langs}
     dropped, longest, done = {"empty": 0, "too_long": 0, "length_ratio": 0}, (0, 0), 0
     progress = tqdm(total=pairs, desc=f"encode {name}", unit=" pairs", disable=None, leave=False)
     for chunk in _chunks(read_pairs(prefix, *langs)):
@@ -227,6 +247,8 @@ def _binarize(name: str, prefix: str, pairs: int, folder: Path, processors: dict
             keep, counts = _keep_mask(raw[langs[0]], raw[langs[1]], ids[langs[0]], ids[langs[1]], options)
             dropped = {k: dropped[k] + counts[k] for k in dropped}
             ids = {lang: [x for x, k in zip(ids[lang], keep) if k] for lang in langs}
+            for lang in langs:
+                train_texts[lang].append_text([x for x, k in zip(raw[lang], keep) if k])
         else:
             lengths = [max(len(s), len(t)) + 1 for s, t in zip(ids[langs[0]], ids[langs[1]])]  # + EOS/BOS
             index = int(np.argmax(lengths))
@@ -235,12 +257,15 @@ def _binarize(name: str, prefix: str, pairs: int, folder: Path, processors: dict
             for lang in langs:
                 texts[lang].write("".join(line + "\n" for line in raw[lang]))
         for lang in langs:
-            writers[lang].append(ids[lang])
+            writers[lang].append_ids(ids[lang])
         done += len(chunk)
         progress.update(len(chunk))
     progress.close()
-    for text in texts.values():
-        text.close()
+    if name == "train":
+        info["text_bytes"] = {lang: train_texts[lang].close() for lang in langs}
+    else:
+        for text in texts.values():
+            text.close()
     info["tokens"] = {lang: writers[lang].close() for lang in langs}
     info["pairs"] = pairs - sum(dropped.values())
     if name == "train":

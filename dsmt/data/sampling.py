@@ -1,0 +1,90 @@
+"""Subword regularization: the training text segmented anew every epoch by n-best sampling (Kudo, 2018) of
+the unigram sentencepiece model, while evaluation keeps the prepared ids.
+
+A sentence's segmentation in an epoch depends only on (seed, epoch, side, sentence index): every rank count,
+rerun and resume sees the same one, and a rank can segment any sentence again instead of keeping the ids.
+The draw is dsmt's own, from sentencepiece's deterministic n-best list: sentencepiece's built-in sampling
+draws from a generator seeded per process (the same seed gives other segmentations in another process). An
+epoch is planned from its sampled lengths (one pass over the text, kept as memory-mapped UTF-8 by prepare),
+so token batches stay exact.
+"""
+
+import itertools
+from pathlib import Path
+
+import numpy as np
+import sentencepiece as spm
+
+from dsmt import DsmtError
+
+SIDES = {"src": 0, "tgt": 1}
+
+
+def sentence_uniforms(seed: int, epoch: int, side: str, indices) -> np.ndarray:
+    """One uniform draw in [0, 1) per sentence: splitmix64 of the index offset by a key of (seed, epoch, side),
+    so neighbouring sentences and epochs get unrelated draws."""
+    key = np.random.SeedSequence([seed, epoch, SIDES[side]]).generate_state(1, np.uint64)[0]
+    x = np.asarray(indices, np.uint64) + key + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return ((x ^ (x >> np.uint64(31))) >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+
+
+class SubwordSampler:
+    """Sampled segmentations of a prepared training split, for the sides in ``sides`` ("src", "tgt" or
+    "both"); the other side, and any sampled segmentation longer than ``max_len`` tokens (which would not fit
+    a batch or the model), keep the prepared ids."""
+
+    def __init__(self, data, data_dir: str, sides: str, alpha: float, nbest: int, seed: int, max_len: int):
+        meta, folder = data.meta, Path(data_dir)
+        if meta["format"] < 2:
+            raise DsmtError(f"{data_dir} was prepared by an older dsmt and holds no training text, which "
+                            "data.subword_sampling segments; run `dsmt prepare` again into a new --out")
+        if meta["model_type"] != "unigram":
+            raise DsmtError(f"data.subword_sampling draws among a unigram model's segmentations and {data_dir} "
+                            f"has a {meta['model_type']} model; prepare with --model-type unigram (the default)")
+        self.data, self.alpha, self.nbest, self.seed, self.max_len = data, alpha, nbest, seed, max_len
+        self.sides = ("src", "tgt") if sides == "both" else (sides,)
+        self.text, self.processors, self.log_probs = {}, {}, {}
+        for side in self.sides:
+            stem = folder / f"train.{meta[side]}"
+            self.text[side] = (np.load(f"{stem}.utf8.npy", mmap_mode="r"),
+                               np.load(f"{stem}.utf8_offsets.npy", mmap_mode="r"))
+            sp = spm.SentencePieceProcessor(model_file=str(folder / meta["spm"][meta[side]]))
+            self.processors[side] = sp
+            self.log_probs[side] = np.array([sp.get_score(i) for i in range(sp.vocab_size())])
+
+    def _sample(self, side: str, index: int, uniform: float) -> np.ndarray:
+        """One of the sentence's ``nbest`` best segmentations, drawn with probability ∝ P(x)^alpha."""
+        text, offsets = self.text[side]
+        line = text[offsets[index]:offsets[index + 1]].tobytes().decode("utf-8")
+        candidates = self.processors[side].nbest_encode_as_ids(line, self.nbest)
+        lengths = np.fromiter(map(len, candidates), np.int64, len(candidates))
+        pieces = np.fromiter(itertools.chain.from_iterable(candidates), np.int64, int(lengths.sum()))
+        log_p = np.add.reduceat(self.log_probs[side][pieces], np.cumsum(lengths) - lengths)
+        weights = np.cumsum(np.exp(self.alpha * (log_p - log_p.max())))
+        choice = candidates[int(np.searchsorted(weights, uniform * weights[-1], side="right"))]
+        return np.asarray(choice, self.data.src_ids.dtype) if len(choice) <= self.max_len else self.data.tokens(side, index)
+
+    def tokens(self, epoch: int, side: str, index: int) -> np.ndarray:
+        if side not in self.sides:
+            return self.data.tokens(side, index)
+        return self._sample(side, index, sentence_uniforms(self.seed, epoch, side, [index])[0])
+
+    def lengths(self, epoch: int, side: str) -> np.ndarray:
+        """Every sentence's length in ``epoch`` + 1 (EOS or BOS), as the prepared ``ParallelData`` lengths."""
+        if side not in self.sides:
+            return getattr(self.data, f"{side}_lens")
+        uniforms = sentence_uniforms(self.seed, epoch, side, np.arange(len(self.data)))
+        return np.fromiter((len(self._sample(side, i, u)) + 1 for i, u in enumerate(uniforms)), np.int32, len(uniforms))
+
+
+class SampledEpoch:
+    """One epoch of ``data`` as the sampler segments it: the lengths its batches are planned from, and collate."""
+
+    def __init__(self, data, sampler: SubwordSampler, epoch: int):
+        self.data, self.sampler, self.epoch = data, sampler, epoch
+        self.src_lens, self.tgt_lens = sampler.lengths(epoch, "src"), sampler.lengths(epoch, "tgt")
+
+    def collate(self, indices) -> dict:
+        return self.data.collate(indices, lambda side, index: self.sampler.tokens(self.epoch, side, index))

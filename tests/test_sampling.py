@@ -1,0 +1,183 @@
+"""Subword sampling (data.subword_sampling): the training text kept by prepare, sampled segmentations that
+depend only on (seed, epoch, side, sentence), exact token batches planned from the sampled lengths, and
+bitwise resume of a sampled run after kill -9."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import sentencepiece as spm
+
+from dsmt import DsmtError
+from dsmt.data.batching import BatchStream, ParallelData
+from dsmt.data.prepare import PrepareOptions, prepare
+from dsmt.data.sampling import SubwordSampler, sentence_uniforms
+from tests.test_data import SMALL_DE, SMALL_EN, write_pairs
+from tests.test_reliability import QUIET, assert_same_parameters, run_with_faults
+from tests.training import records, train
+
+SAMPLING = ("data.subword_sampling.enabled=true",)
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory, toy_data):
+    """600 training pairs of the toy corpus: an epoch is a few steps, so a short run crosses several."""
+    folder = tmp_path_factory.mktemp("small")
+    raw = toy_data.parent / "raw"
+    splits = {}
+    for split, count in (("train", 600), ("valid", 20)):
+        lines = {lang: Path(f"{raw}/{split}.{lang}").read_text().splitlines()[:count] for lang in ("en", "de")}
+        splits[split] = write_pairs(folder, split, lines["en"], lines["de"])
+    prepare(splits, str(folder / "data"), PrepareOptions("en", "de", vocab_size=200))
+    return folder / "data"
+
+
+def sampler_of(data_dir, sides="both", alpha=0.1, nbest=16, seed=1, max_len=1000):
+    return SubwordSampler(ParallelData(str(data_dir), "train"), str(data_dir), sides, alpha, nbest, seed, max_len)
+
+
+def all_rows(stream: BatchStream, epoch: int) -> dict[int, tuple]:
+    """sentence index → (source row, target-output row) of every batch of ``epoch``, as collate builds them."""
+    stream.load_state_dict({"epoch": epoch, "position": 0, "world_size": stream.world_size})
+    rows = {}
+    for _ in range(len(stream.batches(epoch))):
+        batch = next(stream)
+        assert batch["src"].numel() <= stream.max_tokens and batch["tgt_out"].numel() <= stream.max_tokens
+        for k, index in enumerate(batch["indices"]):
+            src, tgt = batch["src"][k], batch["tgt_out"][k]
+            rows[int(index)] = (tuple(src[: batch["src_lengths"][k]].tolist()),
+                                tuple(tgt[: batch["tgt_lengths"][k]].tolist()))
+    return rows
+
+
+def test_prepare_keeps_the_text_of_exactly_the_kept_training_pairs(tmp_path):
+    src = SMALL_EN + ["", "the", " ".join(["the red number is here"] * 20)]
+    tgt = SMALL_DE + ["die Nummer", "die rote Nummer ist hier die blaue Nummer ist hier", "die"]
+    splits = {"train": write_pairs(tmp_path, "train", src, tgt), "valid": write_pairs(tmp_path, "v", src[:3], tgt[:3])}
+    prepare(splits, str(tmp_path / "out"), PrepareOptions("en", "de", vocab_size=50, max_len=60))
+    data = ParallelData(str(tmp_path / "out"), "train")
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "out" / "spm.model"))
+    for side, lang, lines in (("src", "en", src), ("tgt", "de", tgt)):
+        text = np.load(tmp_path / "out" / f"train.{lang}.utf8.npy")
+        offsets = np.load(tmp_path / "out" / f"train.{lang}.utf8_offsets.npy")
+        kept = [text[offsets[i]:offsets[i + 1]].tobytes().decode() for i in range(len(offsets) - 1)]
+        assert kept == lines[:100]  # the three filtered pairs come last
+        assert all(sp.encode(line) == data.tokens(side, i).tolist() for i, line in enumerate(kept))
+
+
+def test_sampling_off_collates_the_prepared_ids(small_data):
+    data = ParallelData(str(small_data), "train")
+    stream = BatchStream(data, 512, seed=1)
+    for _ in range(len(stream.batches(0)) + 2):  # into the next epoch
+        batch = next(stream)
+        for k, index in enumerate(batch["indices"]):
+            src = data.src_ids[data.src_offsets[index]:data.src_offsets[index + 1]].tolist() + [data.eos]
+            tgt = data.tgt_ids[data.tgt_offsets[index]:data.tgt_offsets[index + 1]].tolist()
+            assert batch["src"][k].tolist() == src + [data.pad] * (batch["src"].size(1) - len(src))
+            assert batch["tgt_in"][k, : len(tgt) + 1].tolist() == [data.bos] + tgt
+            assert batch["tgt_out"][k, : len(tgt) + 1].tolist() == tgt + [data.eos]
+            assert (batch["src_lengths"][k], batch["tgt_lengths"][k]) == (data.src_lens[index], data.tgt_lens[index])
+
+
+def test_sampled_segmentations_spell_the_same_text_differ_by_epoch_and_repeat_on_a_rerun(small_data):
+    sampler, again = sampler_of(small_data), sampler_of(small_data)
+    data = sampler.data
+    sp = spm.SentencePieceProcessor(model_file=str(small_data / "spm.model"))
+    differ = {side: 0 for side in ("src", "tgt")}
+    for side in differ:
+        for i in range(len(data)):
+            epochs = [sampler.tokens(epoch, side, i).tolist() for epoch in (0, 1)]
+            assert sp.decode(epochs[0]) == sp.decode(epochs[1]) == sp.decode(data.tokens(side, i).tolist())
+            assert again.tokens(0, side, i).tolist() == epochs[0]
+            differ[side] += epochs[0] != epochs[1]
+    assert min(differ.values()) > len(data) // 4, differ
+    lengths = sampler.lengths(0, "src")
+    assert lengths.tolist() == [len(sampler.tokens(0, "src", i)) + 1 for i in range(len(data))]
+    assert (lengths != data.src_lens).any()
+
+
+def test_only_the_chosen_side_is_sampled(small_data):
+    sampler = sampler_of(small_data, sides="tgt")
+    data = sampler.data
+    assert all(np.array_equal(sampler.tokens(3, "src", i), data.tokens("src", i)) for i in range(len(data)))
+    assert np.array_equal(sampler.lengths(3, "src"), data.src_lens)
+    assert any(not np.array_equal(sampler.tokens(3, "tgt", i), data.tokens("tgt", i)) for i in range(len(data)))
+
+
+@pytest.mark.parametrize("epoch", [0, 1])
+def test_every_rank_count_sees_the_same_segmentation_of_a_sentence_in_exact_batches(small_data, epoch):
+    sampler, max_tokens = sampler_of(small_data), 256
+    view, batches = BatchStream(sampler.data, max_tokens, seed=1, sampler=sampler).plan(epoch)
+    for batch in batches:  # planned from the sampled lengths, not the prepared ones
+        for lengths in (view.src_lens[batch], view.tgt_lens[batch]):
+            assert len(batch) * lengths.max() <= max_tokens
+    by_world = {}
+    for world in (1, 2, 3):
+        by_world[world] = {}
+        for rank in range(world):
+            stream = BatchStream(sampler.data, max_tokens, seed=1, rank=rank, world_size=world, sampler=sampler)
+            by_world[world].update(all_rows(stream, epoch))
+    assert set(by_world[1]) == set(range(len(sampler.data)))
+    assert by_world[1] == by_world[2] == by_world[3]
+
+
+def test_a_sampled_segmentation_too_long_for_a_batch_keeps_the_prepared_ids(small_data):
+    free = sampler_of(small_data, alpha=0.01)  # near-uniform over the 16 best: mostly longer than the best
+    max_len = int(free.data.src_lens.max()) - 1  # the longest prepared source, without EOS
+    bounded = sampler_of(small_data, alpha=0.01, max_len=max_len)
+    data, fallbacks = free.data, 0
+    for i in range(len(data)):
+        sampled = free.tokens(0, "src", i)
+        expected = sampled if len(sampled) <= max_len else data.tokens("src", i)
+        assert np.array_equal(bounded.tokens(0, "src", i), expected)
+        fallbacks += len(sampled) > max_len
+    assert fallbacks > 0 and bounded.lengths(0, "src").max() == max_len + 1
+
+
+def test_draws_are_uniform_and_depend_on_every_key():
+    indices = np.arange(100_000)
+    draws = sentence_uniforms(1, 0, "src", indices)
+    assert draws.min() >= 0 and draws.max() < 1 and len(np.unique(draws)) == len(indices)
+    assert np.histogram(draws, bins=10, range=(0, 1))[0].min() > 9_500
+    for other in (sentence_uniforms(2, 0, "src", indices), sentence_uniforms(1, 1, "src", indices),
+                  sentence_uniforms(1, 0, "tgt", indices)):
+        assert abs(np.corrcoef(draws, other)[0, 1]) < 0.02 and (other != draws).all()
+
+
+def test_a_bpe_model_is_refused_with_what_to_do(tmp_path):
+    splits = {"train": write_pairs(tmp_path, "train", SMALL_EN, SMALL_DE),
+              "valid": write_pairs(tmp_path, "v", SMALL_EN[:3], SMALL_DE[:3])}
+    prepare(splits, str(tmp_path / "out"), PrepareOptions("en", "de", vocab_size=50, model_type="bpe"))
+    with pytest.raises(DsmtError, match="has a bpe model; prepare with --model-type unigram"):
+        sampler_of(tmp_path / "out")
+
+
+def test_a_data_dir_without_the_training_text_is_refused_with_what_to_do(small_data, tmp_path):
+    old = tmp_path / "old"
+    shutil.copytree(small_data, old)
+    meta = json.loads((old / "meta.json").read_text())
+    (old / "meta.json").write_text(json.dumps(dict(meta, format=1)))
+    for file in old.glob("train.*.utf8*"):
+        file.unlink()
+    with pytest.raises(DsmtError, match="prepared by an older dsmt .* run `dsmt prepare` again"):
+        sampler_of(old)
+
+
+@pytest.mark.slow
+def test_a_sampled_run_killed_mid_epoch_resumes_to_the_uninterrupted_parameters(small_data, tmp_path):
+    """Two ranks, epochs of ~17 steps: kill -9 of one rank in the second epoch, then resume=auto from the
+    save in that epoch; the final parameters are bitwise those of the run never interrupted, and differ from
+    a run without sampling."""
+    common = ("train.max_steps=30", "train.save_interval=10", "data.max_tokens=512", *QUIET)
+    reference, interrupted, plain = tmp_path / "reference", tmp_path / "interrupted", tmp_path / "plain"
+    train(small_data, reference, *common, *SAMPLING, ranks=2)
+    result = run_with_faults(small_data, interrupted, "kill@24@1", *common, *SAMPLING)
+    assert result.returncode != 0 and max(records(interrupted)) == 23
+    train(small_data, interrupted, *common, *SAMPLING, ranks=2)
+    assert max(records(interrupted)) == 30
+    assert_same_parameters(reference, interrupted)
+    train(small_data, plain, *common, ranks=2)
+    with pytest.raises(AssertionError, match="tensors differ"):
+        assert_same_parameters(reference, plain)
