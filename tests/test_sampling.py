@@ -86,24 +86,31 @@ def test_sampled_segmentations_spell_the_same_text_differ_by_epoch_and_repeat_on
     data = sampler.data
     sp = spm.SentencePieceProcessor(model_file=str(small_data / "spm.model"))
     differ = {side: 0 for side in ("src", "tgt")}
+    every = range(len(data))
     for side in differ:
-        for i in range(len(data)):
-            epochs = [sampler.tokens(epoch, side, i).tolist() for epoch in (0, 1)]
+        by_epoch = [sampler.tokens(epoch, side, every) for epoch in (0, 1)]
+        rerun = again.tokens(0, side, every)
+        for i in every:
+            epochs = [by_epoch[0][i].tolist(), by_epoch[1][i].tolist()]
             assert sp.decode(epochs[0]) == sp.decode(epochs[1]) == sp.decode(data.tokens(side, i).tolist())
-            assert again.tokens(0, side, i).tolist() == epochs[0]
+            assert rerun[i].tolist() == epochs[0]
             differ[side] += epochs[0] != epochs[1]
     assert min(differ.values()) > len(data) // 4, differ
     lengths = sampler.lengths(0, "src")
-    assert lengths.tolist() == [len(sampler.tokens(0, "src", i)) + 1 for i in range(len(data))]
+    sources = sampler.tokens(0, "src", every)
+    assert lengths.tolist() == [len(ids) + 1 for ids in sources]
+    assert all(np.array_equal(sampler.tokens(0, "src", [i])[0], sources[i])  # one at a time: the same draw
+               for i in range(0, len(data), 37))
     assert (lengths != data.src_lens).any()
 
 
 def test_only_the_chosen_side_is_sampled(small_data):
     sampler = sampler_of(small_data, sides="tgt")
     data = sampler.data
-    assert all(np.array_equal(sampler.tokens(3, "src", i), data.tokens("src", i)) for i in range(len(data)))
+    every = range(len(data))
+    assert all(np.array_equal(ids, data.tokens("src", i)) for i, ids in zip(every, sampler.tokens(3, "src", every)))
     assert np.array_equal(sampler.lengths(3, "src"), data.src_lens)
-    assert any(not np.array_equal(sampler.tokens(3, "tgt", i), data.tokens("tgt", i)) for i in range(len(data)))
+    assert any(not np.array_equal(ids, data.tokens("tgt", i)) for i, ids in zip(every, sampler.tokens(3, "tgt", every)))
 
 
 @pytest.mark.parametrize("epoch", [0, 1])
@@ -127,11 +134,10 @@ def test_a_sampled_segmentation_too_long_for_a_batch_keeps_the_prepared_ids(smal
     free = sampler_of(small_data, alpha=0.01)  # near-uniform over the 16 best: mostly longer than the best
     max_len = int(free.data.src_lens.max()) - 1  # the longest prepared source, without EOS
     bounded = sampler_of(small_data, alpha=0.01, max_len=max_len)
-    data, fallbacks = free.data, 0
-    for i in range(len(data)):
-        sampled = free.tokens(0, "src", i)
+    data, fallbacks, every = free.data, 0, range(len(free.data))
+    for i, sampled, kept in zip(every, free.tokens(0, "src", every), bounded.tokens(0, "src", every)):
         expected = sampled if len(sampled) <= max_len else data.tokens("src", i)
-        assert np.array_equal(bounded.tokens(0, "src", i), expected)
+        assert np.array_equal(kept, expected)
         fallbacks += len(sampled) > max_len
     assert fallbacks > 0 and bounded.lengths(0, "src").max() == max_len + 1
 

@@ -74,9 +74,10 @@ class ParallelData:
     def collate(self, indices, tokens=None) -> dict:
         """Right-padded ``src`` (x + EOS), ``tgt_in`` (BOS + y) and ``tgt_out`` (y + EOS) tensors; and on the host,
         the sentence ``indices`` and the rows' real lengths (``src_lengths``; ``tgt_lengths``, of either target).
-        ``tokens(side, index)`` gives a sentence's ids: the prepared ones unless a sampled epoch passes its own."""
-        indices, tokens = np.asarray(indices), tokens or self.tokens
-        src, tgt = [tokens("src", i) for i in indices], [tokens("tgt", i) for i in indices]
+        ``tokens(side, indices)`` gives the sentences' ids: the prepared ones unless a sampled epoch passes its own."""
+        indices = np.asarray(indices)
+        tokens = tokens or (lambda side, chosen: [self.tokens(side, index) for index in chosen])
+        src, tgt = tokens("src", indices), tokens("tgt", indices)
         return {"src": self._rows(src, [], [self.eos]), "tgt_in": self._rows(tgt, [self.bos], []),
                 "tgt_out": self._rows(tgt, [], [self.eos]), "indices": indices,
                 "src_lengths": np.fromiter(map(len, src), np.int32, len(src)) + 1,

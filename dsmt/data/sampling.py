@@ -9,6 +9,7 @@ epoch is planned from its sampled lengths (one pass over the text, kept as memor
 so token batches stay exact.
 """
 
+import functools
 import itertools
 from pathlib import Path
 
@@ -66,17 +67,23 @@ class SubwordSampler:
         choice = candidates[int(np.searchsorted(weights, uniform * weights[-1], side="right"))]
         return np.asarray(choice, self.data.src_ids.dtype) if len(choice) <= self.max_len else self.data.tokens(side, index)
 
-    def tokens(self, epoch: int, side: str, index: int) -> np.ndarray:
+    def _draws(self, epoch: int, side: str, indices):
+        """The sampled ids of each of ``indices``, one at a time (the draws for all of them made at once)."""
+        uniforms = sentence_uniforms(self.seed, epoch, side, indices)
+        return (self._sample(side, int(index), uniform) for index, uniform in zip(indices, uniforms))
+
+    def tokens(self, epoch: int, side: str, indices) -> list[np.ndarray]:
+        """The ids of each of ``indices`` in ``epoch``: sampled on a sampled side, else the prepared ones."""
         if side not in self.sides:
-            return self.data.tokens(side, index)
-        return self._sample(side, index, sentence_uniforms(self.seed, epoch, side, [index])[0])
+            return [self.data.tokens(side, index) for index in indices]
+        return list(self._draws(epoch, side, indices))
 
     def lengths(self, epoch: int, side: str) -> np.ndarray:
         """Every sentence's length in ``epoch`` + 1 (EOS or BOS), as the prepared ``ParallelData`` lengths."""
         if side not in self.sides:
             return getattr(self.data, f"{side}_lens")
-        uniforms = sentence_uniforms(self.seed, epoch, side, np.arange(len(self.data)))
-        return np.fromiter((len(self._sample(side, i, u)) + 1 for i, u in enumerate(uniforms)), np.int32, len(uniforms))
+        every = np.arange(len(self.data))
+        return np.fromiter((len(ids) + 1 for ids in self._draws(epoch, side, every)), np.int32, len(every))
 
 
 class SampledEpoch:
@@ -87,4 +94,4 @@ class SampledEpoch:
         self.src_lens, self.tgt_lens = sampler.lengths(epoch, "src"), sampler.lengths(epoch, "tgt")
 
     def collate(self, indices) -> dict:
-        return self.data.collate(indices, lambda side, index: self.sampler.tokens(self.epoch, side, index))
+        return self.data.collate(indices, functools.partial(self.sampler.tokens, self.epoch))
