@@ -35,13 +35,15 @@ LENPENS = (0.6, 1.0, 1.4, 1.8, 2.2)  # the first is the default, dsmt translate'
 DEFAULT_MODEL = "average of last 5"
 
 
-def valid_choice(kind: str, decoders: dict, data: Path, src: str, tgt: str, default: str) -> tuple[str, dict]:
-    """Decode valid with beam 5 by each of ``decoders`` (name -> (model dir, length penalty)), one model loaded
-    at a time, choose one (``dsmt.selection``), print why."""
-    sources, references = read_input(str(data / f"valid.{src}.txt")), read_input(str(data / f"valid.{tgt}.txt"))
-    hypotheses = {name: Translator(model_dir, beam=5, lenpen=lenpen).translate(sources)
-                  for name, (model_dir, lenpen) in decoders.items()}
-    chosen, scored = choose(hypotheses, references, default)
+def valid_choice(kind: str, decoders: dict, valid: tuple, decoded: dict, default: str) -> tuple[str, dict]:
+    """Decode ``valid`` (sources, references) with beam 5 by each of ``decoders`` (name -> (model dir, length
+    penalty)) not yet in ``decoded`` ((model dir, length penalty) -> hypotheses; one model loaded at a time),
+    choose one (``dsmt.selection``), print why."""
+    sources, references = valid
+    for model_dir, lenpen in decoders.values():
+        if (model_dir, lenpen) not in decoded:
+            decoded[model_dir, lenpen] = Translator(model_dir, beam=5, lenpen=lenpen).translate(sources)
+    chosen, scored = choose({name: decoded[decoder] for name, decoder in decoders.items()}, references, default)
     for name, score in scored.items():
         print(describe(name, score), flush=True)
     print(f"{kind}: {chosen}", flush=True)
@@ -78,11 +80,13 @@ def main():
         models[name] = str(run / "models" / name.replace(" ", "_"))
         average(paths, models[name])
     default = DEFAULT_MODEL if DEFAULT_MODEL in models else next(iter(models))  # fewer than 5 checkpoints: last 1
+    valid = read_input(str(data / f"valid.{args.src}.txt")), read_input(str(data / f"valid.{args.tgt}.txt"))
+    decoded = {}  # the chosen model at the first penalty is decoded once, for both choices
     chosen, by_model = valid_choice("model", {name: (path, LENPENS[0]) for name, path in models.items()},
-                                    data, args.src, args.tgt, default)
+                                    valid, decoded, default)
     model_dir = models[chosen]
     lenpen, by_lenpen = valid_choice("length penalty", {str(lp): (model_dir, lp) for lp in LENPENS},
-                                     data, args.src, args.tgt, str(LENPENS[0]))
+                                     valid, decoded, str(LENPENS[0]))
     lenpen = float(lenpen)
 
     test = evaluate(Translator(model_dir, beam=5, lenpen=lenpen), str(data / f"test2016.{args.src}.txt"),
