@@ -187,3 +187,15 @@ def test_a_sampled_run_killed_mid_epoch_resumes_to_the_uninterrupted_parameters(
     train(small_data, plain, *common, ranks=2)
     with pytest.raises(AssertionError, match="tensors differ"):
         assert_same_parameters(reference, plain)
+
+
+@pytest.mark.slow
+def test_three_ranks_train_sampled_epochs_whose_batches_do_not_divide_evenly(small_data, tmp_path):
+    """3 ranks through two epoch boundaries of sampled batches, each epoch's batch count its own (sampled
+    lengths) and padded to a multiple of 3: no rank waits on a collective another never joins."""
+    out = tmp_path / "three"
+    counts = [len(BatchStream(ParallelData(str(small_data), "train"), 512, seed=1, sampler=sampler_of(small_data))
+                  .batches(epoch)) for epoch in (0, 1)]
+    steps = sum(-(-count // 3) for count in counts) + 2  # into the third epoch
+    train(small_data, out, f"train.max_steps={steps}", "data.max_tokens=512", *QUIET, *SAMPLING, ranks=3)
+    assert max(records(out)) == steps
