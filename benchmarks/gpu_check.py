@@ -8,14 +8,21 @@ excluded, and peak memory is counted from the end of warm-up. On a CPU it runs t
 
 import argparse
 import json
+import re
 import tempfile
 import time
+import traceback
+import warnings
+from collections import Counter
+from contextlib import ExitStack
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 
 from dsmt.config import load_config
+from dsmt.engine import close_distributed
 from dsmt.train import NEXT_SRC_TOKENS, NEXT_TGT_TOKENS, Trainer
 from flops import numel, parameter_counts, step_flops
 
@@ -42,8 +49,8 @@ def main():
     parser.add_argument("--result", help="write this run's figures here (JSON)")
     parser.add_argument("--baseline", help="the 1-GPU run's --result: prints the scaling efficiency")
     parser.add_argument("--profile", metavar="DIR", help="after the timed steps, profile 3 more with torch.profiler "
-                        "and write rank 0's tables (host and device time per operator, and the host's share "
-                        "of a step) to DIR/profile-STAGE-NGPUS.txt")
+                        "and write rank 0's tables (host and device time per operator, the host's share of a "
+                        "step, and on a GPU where the host waited for it) to DIR/profile-STAGE-NGPUS.txt")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="more config overrides")
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # from the deepspeed launcher
     args = parser.parse_args()
@@ -60,6 +67,7 @@ def main():
         trainer.batches.close()
     if trainer.rank == 0:
         report(row, args)
+    close_distributed()
 
 
 def measure(trainer: Trainer, args) -> dict:
@@ -109,6 +117,7 @@ def profile_steps(trainer: Trainer, args, steps: int = 3) -> None:
         if cuda:
             torch.cuda.synchronize()
     wall = (time.perf_counter() - start) / steps
+    waits = host_waits(trainer) if cuda else None  # every rank steps
     if trainer.rank != 0:
         return
     table = prof.key_averages()
@@ -122,7 +131,41 @@ def profile_steps(trainer: Trainer, args, steps: int = 3) -> None:
         lines.append(table.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70))
     folder = Path(args.profile)
     folder.mkdir(parents=True, exist_ok=True)
+    if waits is not None:
+        lines += ["Where the host waited for the device in 2 more steps (calls, innermost dsmt/DeepSpeed frames):",
+                  *(f"{count:4d}x {site}" for site, count in waits.most_common())]
     (folder / f"profile-{stage}-{trainer.world}.txt").write_text("\n".join(lines) + "\n")
+
+
+def host_waits(trainer: Trainer, steps: int = 2) -> Counter:
+    """The call sites where the host waits for the GPU during ``steps`` steps: the synchronizing calls CUDA's
+    sync debug mode warns of (``.item()``, ``nonzero``, copies to pageable memory) and explicit synchronizes.
+    A host that waits cannot queue the next kernels, so each is a bubble when the host is the bottleneck."""
+    sites = Counter()
+
+    def record(*_args, **_kwargs):
+        frames = [f for f in traceback.extract_stack()[:-1] if re.search(r"/(dsmt|deepspeed|benchmarks)/", f.filename)]
+        sites[" < ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames[-4:]))] += 1
+
+    def recorded(function):
+        def wrapper(*args, **kwargs):
+            record()
+            return function(*args, **kwargs)
+        return wrapper
+
+    with ExitStack() as stack, warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        for owner, name in ((torch.cuda, "synchronize"), (torch.cuda.Event, "synchronize"),
+                            (torch.cuda.Stream, "synchronize")):
+            stack.enter_context(mock.patch.object(owner, name, recorded(getattr(owner, name))))
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                trainer.train_step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sites
 
 
 def report(row: dict, args) -> None:

@@ -101,6 +101,10 @@ def fill_ds_config(ds: dict, train_cfg, world_size: int, path: str, caps) -> dic
     _fill_gradient_dtypes(ds, precision, path)
     _fill_device_settings(ds, caps[0])
     ds.setdefault("steps_per_print", 10 ** 9)  # dsmt logs itself
+    # and counts tokens/s itself: DeepSpeed's throughput timer (samples/s, on by default) synchronizes the device at
+    # every forward and step, so the host cannot queue a step while the last one runs (seen on an H200: the
+    # largest host waits of a ZeRO-2 step, docs/results.md).
+    ds.setdefault("timers", {}).setdefault("throughput", {}).setdefault("enabled", False)
     leftover = [key for key, value in _walk(ds) if value == AUTO]
     if leftover:
         raise DsmtError(f"{path}: dsmt cannot fill \"auto\" for {leftover}; give them values")
@@ -295,7 +299,36 @@ def build_engine(model, cfg, world_size: int, load_universal: bool = False):
     if engine.zero_optimization_stage() == 0 and engine.dp_world_size == 1:
         # One data-parallel rank has nothing to average, but DeepSpeed would still flatten every gradient for it.
         engine.enable_backward_allreduce = False
+    check_gradients_in_one_pass(engine.optimizer)
     return engine, ds
+
+
+def check_gradients_in_one_pass(optimizer) -> None:
+    """Make ZeRO-1/2's test for non-finite gradients one multi-tensor pass instead of one per gradient tensor.
+
+    Before every step, DeepSpeed 0.19's ZeRO-1/2 optimizer (``DeepSpeedZeroOptimizer``) tests each gradient of its
+    partition with ``isfinite(amax) & isfinite(amin)``: about 15 kernel launches per tensor, some 2,900 of the
+    4,200 launches of a transformer_big step, and a quarter of its host time on an H200 (docs/results.md). The
+    largest absolute value of every tensor, from one ``_foreach_norm(ord=inf)``, answers the same question (it is
+    inf or NaN exactly when the tensor holds one: max propagates NaN). DeepSpeed keeps doing the rest: its
+    all-reduce of the answer, the skipped step, the reported state. Turning its check off instead
+    (``bf16.check_grad_overflow: false``) would also stop it treating a non-finite norm as one, and apply the step.
+    Other optimizers (ZeRO-0 and ZeRO-3 check a global norm or a flat buffer) are left as they are."""
+    import torch
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if not isinstance(optimizer, DeepSpeedZeroOptimizer):
+        return
+
+    def has_overflow_partitioned_grads_serial():
+        grads = [g for i in range(len(optimizer.bit16_groups)) for g in optimizer.averaged_gradients[i] or []
+                 if g is not None and g.numel()]
+        if not grads:
+            return torch.zeros(1, dtype=torch.bool, device=optimizer.device)
+        largest = torch.stack(torch._foreach_norm(grads, ord=float("inf")))
+        return largest.isfinite().all().logical_not().reshape(1)
+
+    optimizer.has_overflow_partitioned_grads_serial = has_overflow_partitioned_grads_serial
 
 
 def optimizer_description(engine) -> str:

@@ -277,8 +277,11 @@ class Trainer:
         self.step, self.data_state = self.step + 1, self.next_micro[-1][1]
         self.reduced = self._reduce_step(sums)
         # ZeRO, bf16 and fp16 optimizers skip a non-finite step themselves (fp16 also lowers its loss scale).
+        # The norm stays where the optimizer left it (a device tensor at ZeRO-1/2): testing its truth here would
+        # make the host wait for the whole step before it could queue the next one.
+        reported = self.engine.get_global_grad_norm()
         return {"totals": totals_on_host.values(), "sums": self.reduced[1],
-                "grad_norm": self.engine.get_global_grad_norm() or grad_norm,
+                "grad_norm": grad_norm if reported is None else reported,
                 "skipped": not (applied and self.engine.was_step_applied())}
 
     @staticmethod

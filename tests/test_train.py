@@ -123,6 +123,14 @@ def test_zero_settings_are_deepspeeds_gpu_values_on_cuda_and_unchanged_on_cpu(na
     assert "overlap_comm" in raw or "stage3_param_persistence_threshold" in raw
 
 
+def test_deepspeeds_synchronizing_throughput_timer_is_off_unless_the_json_asks_for_it():
+    for caps in (CPU, CUDA):
+        assert fill(read_ds_config(REPO / "ds_configs" / "zero2.json"), caps=caps)["timers"]["throughput"] == {
+            "enabled": False}
+    asked = {"timers": {"throughput": {"enabled": True, "synchronized": True}}}
+    assert fill(asked, caps=CUDA)["timers"] == asked["timers"]
+
+
 @pytest.mark.parametrize("stage, accumulate", [(0, "bf16"), (1, "bf16"), (2, "fp32"), (3, "fp32")])
 def test_bf16_gradients_are_all_reduced_in_fp32_and_accumulated_in_fp32_where_deepspeed_can(stage, accumulate):
     for caps in (CPU, CUDA):
@@ -386,6 +394,45 @@ close_distributed()
     assert result.returncode == 0 and len(ok) == 2 * len(DS_CONFIGS), result.stdout[-2000:] + result.stderr[-3000:]
 
 
+def test_zero2_non_finite_check_is_one_pass_and_finds_what_deepspeeds_finds(tmp_path):
+    """dsmt's multi-tensor test of ZeRO-1/2 gradients (engine.check_gradients_in_one_pass) answers as DeepSpeed's
+    per-tensor one does: no for finite gradients, yes for a NaN, +inf or -inf anywhere in any of them."""
+    script = """
+import torch
+from deepspeed.runtime.utils import has_inf_or_nan
+from dsmt.config import load_config
+from dsmt.engine import build_engine, close_distributed, init_distributed
+from dsmt.model import Transformer
+init_distributed(timeout_minutes=30)
+cfg = load_config(overrides=["model.vocab_size=50", "model.d_model=32", "model.n_heads=2", "model.d_ff=64",
+                             "train.deepspeed_config=ds_configs/zero2.json", "train.precision=bf16"])
+engine, _ = build_engine(Transformer(cfg.model), cfg, 1)
+optimizer = engine.optimizer
+src = torch.randint(1, 50, (2, 5))
+engine.backward(engine(src, src).float().logsumexp(-1).mean())
+grads = [g for g in optimizer.averaged_gradients[0] if g is not None]
+def deepspeeds():
+    return any(bool(has_inf_or_nan(g)) for g in grads)
+answers = [(bool(optimizer.has_overflow_partitioned_grads_serial()), deepspeeds())]
+for k, bad in ((0, float("nan")), (len(grads) // 2, float("inf")), (len(grads) - 1, -float("inf"))):
+    flat = grads[k].view(-1)
+    kept = flat[-1].clone()
+    flat[-1] = bad
+    answers.append((bool(optimizer.has_overflow_partitioned_grads_serial()), deepspeeds()))
+    flat[-1] = kept
+assert "check_gradients_in_one_pass" in optimizer.has_overflow_partitioned_grads_serial.__qualname__
+assert not engine.tput_timer.config.enabled  # DeepSpeed reads dsmt's timer setting
+print("ANSWERS", answers, len(grads))
+close_distributed()
+"""
+    result = subprocess.run([PYTHON, "-c", script], cwd=REPO, env=run_env(), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("ANSWERS"))
+    answers, count = eval(line.split(" ", 1)[1].rsplit(" ", 1)[0]), int(line.rsplit(" ", 1)[1])
+    assert answers == [(False, False), (True, True), (True, True), (True, True)] and count > 10
+
+
 def test_fp16_on_cpu_is_one_clear_error(toy_data, tmp_path):
     result = train(toy_data, tmp_path / "fp16", "train.precision=fp16", "train.max_steps=1", check=False)
     assert result.returncode == 2
@@ -419,3 +466,4 @@ def test_max_minutes_ends_the_run_validated_and_saved_and_counts_across_resume(t
     assert steps in records(out, "valid") and latest_tag(out / "checkpoints") == f"step{steps}"
     train(toy_data, out, *budget)  # the budget is spent: the resumed run stops before any step
     assert max(records(out)) == steps
+
