@@ -8,7 +8,7 @@ a valid set of 3000 such pairs. `dsmt prepare` runs on it as a child process, wh
 read with getrusage. Then `--train-steps` steps of the Multi30k recipe's model (2 CPU ranks) run on the largest
 prepared directory, and it prints the time from launch to the first logged step and rank 0's
 peak RSS, next to the smallest generated corpus (the same sentence lengths, so the same activations) and
-Multi30k (sentences half as long).
+Multi30k (sentences half as long); with ``--sampling``, also on both generated corpora with subword sampling on.
 """
 
 import argparse
@@ -70,7 +70,7 @@ def private_mb(pid: int) -> float:
     return int(status.get("RssAnon", "0 kB").split()[0]) / 1024
 
 
-def first_step(data: Path, out: Path, steps: int) -> tuple[float, float, float]:
+def first_step(data: Path, out: Path, steps: int, *overrides: str) -> tuple[float, float, float]:
     """Seconds from launch to the first logged step, rank 0's peak RSS and its largest sampled private memory
     (MB), on 2 CPU ranks."""
     import psutil
@@ -81,7 +81,7 @@ def first_step(data: Path, out: Path, steps: int) -> tuple[float, float, float]:
     command = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
                "launch/train.py", "--config", "launch/configs/multi30k_en_de.yaml", f"data.dir={data}",
                f"train.output_dir={out}", f"train.max_steps={steps}", "train.max_minutes=0", "train.log_interval=1",
-               "train.resume=none", "eval.valid_bleu=false", "train.threads=1"]
+               "train.resume=none", "eval.valid_bleu=false", "train.threads=1", *overrides]
     start, log = time.time(), out / "train_log.jsonl"
     job = subprocess.Popen(command, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -110,6 +110,8 @@ def main() -> None:
     parser.add_argument("--work", default="/tmp/dsmt_prepare_scale", help="where corpora and data dirs go")
     parser.add_argument("--train-steps", type=int, default=2, help="0: prepare only")
     parser.add_argument("--train-only", action="store_true", help="reuse the data dirs an earlier run left in --work")
+    parser.add_argument("--sampling", action="store_true", help="train on the generated corpora with "
+                        "data.subword_sampling on as well (its first epoch is planned from a sampled pass over them)")
     args = parser.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -135,8 +137,11 @@ def main() -> None:
     print("\n| data | seconds to first step | rank 0 peak RSS MB | rank 0 private (anonymous) MB |\n"
           "| --- | ---: | ---: | ---: |")
     smallest = work / f"data_{min(sizes)}"  # the same sentence lengths
-    for name, data in ((prepared.name, prepared), (smallest.name, smallest), ("multi30k", multi30k)):
-        seconds, rss, private = first_step(data, work / f"run_{name}", args.train_steps)
+    runs = [(prepared.name, prepared, ()), (smallest.name, smallest, ()), ("multi30k", multi30k, ())]
+    if args.sampling:
+        runs += [(f"{data.name}_sampling", data, ("data.subword_sampling.enabled=true",)) for data in (prepared, smallest)]
+    for name, data, overrides in runs:
+        seconds, rss, private = first_step(data, work / f"run_{name}", args.train_steps, *overrides)
         print(f"| {name} | {seconds:.0f} | {rss:,.0f} | {private:,.0f} |", flush=True)
 
 

@@ -12,9 +12,9 @@ ratio of summed step times on identical batches; the spread of the per-step rati
 dsmt's process-wide settings (threads, ``keep_freed_memory``) hold for the baseline as well, so the
 ratio is what dsmt's model, loss and loop gain. Tokens are real (non-pad) source + target tokens.
 A second dsmt trainer, with ``data.subword_sampling`` on, takes its turns on its own sampled stream, each
-batch segmented and collated inside its timed step (no prefetch thread to hide the cost) and each step
-charged its share of the epoch plan (a sampled pass over the whole corpus, timed separately): its
-tokens/s against dsmt's is what sampling costs at most.
+batch collated inside its timed step (no prefetch thread to hide the cost) and each step charged its share
+of the epoch plan (the one sampled pass over the whole corpus, whose ids the batches are built from, timed
+separately): its tokens/s against dsmt's is what sampling costs at most.
 Model GFLOP/s (benchmarks/flops.py, padded positions included) against the matrix multiply's rate
 shows how much headroom is left: on identical batches every trainer does the same model arithmetic.
 """
@@ -97,7 +97,7 @@ def dsmt_step(trainer, batches):
 
 
 def sampling_step(trainer) -> tuple:
-    """dsmt's step on its own subword-sampling stream, each next batch segmented and collated inside the step;
+    """dsmt's step on its own subword-sampling stream, each next batch collated inside the step;
     returns the step and the list of the batches it built, and the seconds of an epoch plan per step."""
     trainer.batches.close()
     stream, built = trainer.batches.stream, []

@@ -13,7 +13,7 @@ import sentencepiece as spm
 from dsmt import DsmtError
 from dsmt.data.batching import BatchStream, ParallelData
 from dsmt.data.prepare import PrepareOptions, prepare
-from dsmt.data.sampling import SubwordSampler, sentence_uniforms
+from dsmt.data.sampling import SampledEpoch, SubwordSampler, sentence_uniforms
 from tests.test_data import SMALL_DE, SMALL_EN, write_pairs
 from tests.test_reliability import QUIET, assert_same_parameters, run_with_faults
 from tests.training import records, train
@@ -96,7 +96,7 @@ def test_sampled_segmentations_spell_the_same_text_differ_by_epoch_and_repeat_on
             assert rerun[i].tolist() == epochs[0]
             differ[side] += epochs[0] != epochs[1]
     assert min(differ.values()) > len(data) // 4, differ
-    lengths = sampler.lengths(0, "src")
+    lengths = SampledEpoch(data, sampler, 0).src_lens
     sources = sampler.tokens(0, "src", every)
     assert lengths.tolist() == [len(ids) + 1 for ids in sources]
     assert all(np.array_equal(sampler.tokens(0, "src", [i])[0], sources[i])  # one at a time: the same draw
@@ -109,7 +109,7 @@ def test_only_the_chosen_side_is_sampled(small_data):
     data = sampler.data
     every = range(len(data))
     assert all(np.array_equal(ids, data.tokens("src", i)) for i, ids in zip(every, sampler.tokens(3, "src", every)))
-    assert np.array_equal(sampler.lengths(3, "src"), data.src_lens)
+    assert np.array_equal(SampledEpoch(data, sampler, 3).src_lens, data.src_lens)
     assert any(not np.array_equal(ids, data.tokens("tgt", i)) for i, ids in zip(every, sampler.tokens(3, "tgt", every)))
 
 
@@ -130,6 +130,29 @@ def test_every_rank_count_sees_the_same_segmentation_of_a_sentence_in_exact_batc
     assert by_world[1] == by_world[2] == by_world[3]
 
 
+def test_a_planned_epoch_keeps_its_ranks_sampled_ids_only_and_builds_batches_from_the_same_draws(small_data):
+    """Each sentence is segmented once an epoch: the planning pass's ids, kept for this rank's sentences, are the
+    ones its batches hold (the sampler's own draw for that sentence), and the others' ids are dropped."""
+    sampler = sampler_of(small_data)
+    data, seen = sampler.data, set()
+    for rank in range(3):
+        stream = BatchStream(data, 256, seed=1, rank=rank, world_size=3, sampler=sampler)
+        view, batches = stream.plan(1)
+        mine = np.unique(np.concatenate(batches))
+        assert np.array_equal(view.kept, mine) and len(mine) < len(data)
+        for side in ("src", "tgt"):
+            ids, offsets = view.segments[side]
+            drawn = sampler.tokens(1, side, mine)
+            assert len(ids) == offsets[-1] == sum(map(len, drawn))
+            assert all(np.array_equal(ids[offsets[k]:offsets[k + 1]], d) for k, d in enumerate(drawn))
+        rows = all_rows(stream, 1)
+        for index, (src, tgt) in rows.items():
+            assert src == (*sampler.tokens(1, "src", [index])[0].tolist(), data.eos)
+            assert tgt == (*sampler.tokens(1, "tgt", [index])[0].tolist(), data.eos)
+        seen |= set(rows)
+    assert seen == set(range(len(data)))
+
+
 def test_a_sampled_segmentation_too_long_for_a_batch_keeps_the_prepared_ids(small_data):
     free = sampler_of(small_data, alpha=0.01)  # near-uniform over the 16 best: mostly longer than the best
     max_len = int(free.data.src_lens.max()) - 1  # the longest prepared source, without EOS
@@ -139,7 +162,7 @@ def test_a_sampled_segmentation_too_long_for_a_batch_keeps_the_prepared_ids(smal
         expected = sampled if len(sampled) <= max_len else data.tokens("src", i)
         assert np.array_equal(kept, expected)
         fallbacks += len(sampled) > max_len
-    assert fallbacks > 0 and bounded.lengths(0, "src").max() == max_len + 1
+    assert fallbacks > 0 and SampledEpoch(data, bounded, 0).src_lens.max() == max_len + 1
 
 
 def test_draws_are_uniform_and_depend_on_every_key():

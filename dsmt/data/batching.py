@@ -137,8 +137,11 @@ class BatchStream:
     def plan(self, epoch: int) -> tuple:
         """(the data as ``epoch`` segments it, with its lengths and collate; this rank's batches of it)."""
         view = self.data if self.sampler is None else SampledEpoch(self.data, self.sampler, epoch)
-        batches = epoch_batches(view.src_lens, view.tgt_lens, self.max_tokens, self.seed, epoch)
-        return view, shard(batches, self.rank, self.world_size)
+        batches = shard(epoch_batches(view.src_lens, view.tgt_lens, self.max_tokens, self.seed, epoch), self.rank,
+                        self.world_size)
+        if self.sampler is not None:
+            view.keep(np.concatenate(batches))
+        return view, batches
 
     def batches(self, epoch: int) -> list[np.ndarray]:
         return self.plan(epoch)[1]

@@ -2,14 +2,13 @@
 the unigram sentencepiece model, while evaluation keeps the prepared ids.
 
 A sentence's segmentation in an epoch depends only on (seed, epoch, side, sentence index): every rank count,
-rerun and resume sees the same one, and a rank can segment any sentence again instead of keeping the ids.
-The draw is dsmt's own, from sentencepiece's deterministic n-best list: sentencepiece's built-in sampling
-draws from a generator seeded per process (the same seed gives other segmentations in another process). An
-epoch is planned from its sampled lengths (one pass over the text, kept as memory-mapped UTF-8 by prepare),
-so token batches stay exact.
+rerun and resume sees the same one. The draw is dsmt's own, from sentencepiece's deterministic n-best list:
+sentencepiece's built-in sampling draws from a generator seeded per process (the same seed gives other
+segmentations in another process). An epoch is planned from its sampled lengths (one pass over the text, kept
+as memory-mapped UTF-8 by prepare), so token batches stay exact; that pass's ids are then kept for this rank's
+sentences only, which its batches are built from.
 """
 
-import functools
 import itertools
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import sentencepiece as spm
 from dsmt import DsmtError
 
 SIDES = {"src": 0, "tgt": 1}
+SEGMENT_BLOCK = 4096  # sentences per block of ids gathered in a sampled pass
 
 
 def sentence_uniforms(seed: int, epoch: int, side: str, indices) -> np.ndarray:
@@ -78,20 +78,47 @@ class SubwordSampler:
             return [self.data.tokens(side, index) for index in indices]
         return list(self._draws(epoch, side, indices))
 
-    def lengths(self, epoch: int, side: str) -> np.ndarray:
-        """Every sentence's length in ``epoch`` + 1 (EOS or BOS), as the prepared ``ParallelData`` lengths."""
-        if side not in self.sides:
-            return getattr(self.data, f"{side}_lens")
-        every = np.arange(len(self.data))
-        return np.fromiter((len(ids) + 1 for ids in self._draws(epoch, side, every)), np.int32, len(every))
+    def segment(self, epoch: int, side: str, indices) -> tuple[np.ndarray, np.ndarray]:
+        """The sampled ids of ``indices`` end to end, and the offsets where each sentence's start (one more than
+        ``indices``: the end). Gathered a block at a time: an array per sentence costs ~100 bytes of overhead."""
+        offsets, blocks, block = np.zeros(len(indices) + 1, np.int64), [], []
+        for k, ids in enumerate(self._draws(epoch, side, indices), 1):
+            offsets[k] = len(ids)
+            block.append(ids)
+            if len(block) == SEGMENT_BLOCK:
+                blocks.append(np.concatenate(block))
+                block = []
+        blocks.append(np.concatenate(block) if block else np.empty(0, self.data.src_ids.dtype))
+        return np.concatenate(blocks), np.cumsum(offsets)
 
 
 class SampledEpoch:
-    """One epoch of ``data`` as the sampler segments it: the lengths its batches are planned from, and collate."""
+    """One epoch of ``data`` as the sampler segments it: the lengths its batches are planned from, from one
+    sampled pass over every sentence, and ``collate``. ``keep(indices)`` then drops all but those sentences'
+    ids (this rank's, once the epoch is planned): batches are built from the kept ids, so each sentence is
+    segmented once an epoch. Until then the pass's ids take 2 bytes per token of the corpus (uint16 ids: vocabularies up to
+    65,536 pieces) and 8 per sentence."""
 
     def __init__(self, data, sampler: SubwordSampler, epoch: int):
-        self.data, self.sampler, self.epoch = data, sampler, epoch
-        self.src_lens, self.tgt_lens = sampler.lengths(epoch, "src"), sampler.lengths(epoch, "tgt")
+        self.data, self.kept = data, np.arange(len(data))
+        self.segments = {side: sampler.segment(epoch, side, self.kept) for side in sampler.sides}
+        self.src_lens, self.tgt_lens = (np.diff(self.segments[side][1]).astype(np.int32) + 1 if side in self.segments
+                                        else getattr(data, f"{side}_lens") for side in ("src", "tgt"))
+
+    def keep(self, indices) -> None:
+        kept, position = np.unique(indices), np.searchsorted(self.kept, np.unique(indices))
+        for side, (ids, offsets) in self.segments.items():
+            starts, lengths = offsets[position], offsets[position + 1] - offsets[position]
+            new_offsets = np.concatenate([[0], np.cumsum(lengths)])
+            gather = np.repeat(starts - new_offsets[:-1], lengths) + np.arange(new_offsets[-1])
+            self.segments[side] = ids[gather], new_offsets
+        self.kept = kept
+
+    def _tokens(self, side: str, indices) -> list[np.ndarray]:
+        if side not in self.segments:
+            return [self.data.tokens(side, index) for index in indices]
+        ids, offsets = self.segments[side]
+        return [ids[offsets[k]:offsets[k + 1]] for k in np.searchsorted(self.kept, indices)]
 
     def collate(self, indices) -> dict:
-        return self.data.collate(indices, functools.partial(self.sampler.tokens, self.epoch))
+        return self.data.collate(indices, self._tokens)
