@@ -38,6 +38,12 @@ def sampler_of(data_dir, sides="both", alpha=0.1, nbest=16, seed=1, max_len=1000
     return SubwordSampler(ParallelData(str(data_dir), "train"), str(data_dir), sides, alpha, nbest, seed, max_len)
 
 
+def drawn(sampler: SubwordSampler, epoch: int, side: str, indices) -> list[np.ndarray]:
+    """The sampler's draw of each of ``indices`` in ``epoch``, made for just these sentences."""
+    ids, offsets = sampler.segment(epoch, side, indices)
+    return np.split(ids, offsets[1:-1])
+
+
 def all_rows(stream: BatchStream, epoch: int) -> dict[int, tuple]:
     """sentence index → (source row, target-output row) of every batch of ``epoch``, as collate builds them."""
     stream.load_state_dict({"epoch": epoch, "position": 0, "world_size": stream.world_size})
@@ -88,8 +94,8 @@ def test_sampled_segmentations_spell_the_same_text_differ_by_epoch_and_repeat_on
     differ = {side: 0 for side in ("src", "tgt")}
     every = range(len(data))
     for side in differ:
-        by_epoch = [sampler.tokens(epoch, side, every) for epoch in (0, 1)]
-        rerun = again.tokens(0, side, every)
+        by_epoch = [drawn(sampler, epoch, side, every) for epoch in (0, 1)]
+        rerun = drawn(again, 0, side, every)
         for i in every:
             epochs = [by_epoch[0][i].tolist(), by_epoch[1][i].tolist()]
             assert sp.decode(epochs[0]) == sp.decode(epochs[1]) == sp.decode(data.tokens(side, i).tolist())
@@ -97,9 +103,9 @@ def test_sampled_segmentations_spell_the_same_text_differ_by_epoch_and_repeat_on
             differ[side] += epochs[0] != epochs[1]
     assert min(differ.values()) > len(data) // 4, differ
     lengths = SampledEpoch(data, sampler, 0).src_lens
-    sources = sampler.tokens(0, "src", every)
+    sources = drawn(sampler, 0, "src", every)
     assert lengths.tolist() == [len(ids) + 1 for ids in sources]
-    assert all(np.array_equal(sampler.tokens(0, "src", [i])[0], sources[i])  # one at a time: the same draw
+    assert all(np.array_equal(drawn(sampler, 0, "src", [i])[0], sources[i])  # one at a time: the same draw
                for i in range(0, len(data), 37))
     assert (lengths != data.src_lens).any()
 
@@ -108,9 +114,10 @@ def test_only_the_chosen_side_is_sampled(small_data):
     sampler = sampler_of(small_data, sides="tgt")
     data = sampler.data
     every = range(len(data))
-    assert all(np.array_equal(ids, data.tokens("src", i)) for i, ids in zip(every, sampler.tokens(3, "src", every)))
+    sources = SampledEpoch(data, sampler, 3).tokens("src", every)
+    assert all(np.array_equal(ids, data.tokens("src", i)) for i, ids in zip(every, sources))
     assert np.array_equal(SampledEpoch(data, sampler, 3).src_lens, data.src_lens)
-    assert any(not np.array_equal(ids, data.tokens("tgt", i)) for i, ids in zip(every, sampler.tokens(3, "tgt", every)))
+    assert any(not np.array_equal(ids, data.tokens("tgt", i)) for i, ids in zip(every, drawn(sampler, 3, "tgt", every)))
 
 
 @pytest.mark.parametrize("epoch", [0, 1])
@@ -142,13 +149,13 @@ def test_a_planned_epoch_keeps_its_ranks_sampled_ids_only_and_builds_batches_fro
         assert np.array_equal(view.kept, mine) and len(mine) < len(data)
         for side in ("src", "tgt"):
             ids, offsets = view.segments[side]
-            drawn = sampler.tokens(1, side, mine)
-            assert len(ids) == offsets[-1] == sum(map(len, drawn))
-            assert all(np.array_equal(ids[offsets[k]:offsets[k + 1]], d) for k, d in enumerate(drawn))
+            draws = drawn(sampler, 1, side, mine)
+            assert len(ids) == offsets[-1] == sum(map(len, draws))
+            assert all(np.array_equal(ids[offsets[k]:offsets[k + 1]], d) for k, d in enumerate(draws))
         rows = all_rows(stream, 1)
         for index, (src, tgt) in rows.items():
-            assert src == (*sampler.tokens(1, "src", [index])[0].tolist(), data.eos)
-            assert tgt == (*sampler.tokens(1, "tgt", [index])[0].tolist(), data.eos)
+            assert src == (*drawn(sampler, 1, "src", [index])[0].tolist(), data.eos)
+            assert tgt == (*drawn(sampler, 1, "tgt", [index])[0].tolist(), data.eos)
         seen |= set(rows)
     assert seen == set(range(len(data)))
 
@@ -158,7 +165,7 @@ def test_a_sampled_segmentation_too_long_for_a_batch_keeps_the_prepared_ids(smal
     max_len = int(free.data.src_lens.max()) - 1  # the longest prepared source, without EOS
     bounded = sampler_of(small_data, alpha=0.01, max_len=max_len)
     data, fallbacks, every = free.data, 0, range(len(free.data))
-    for i, sampled, kept in zip(every, free.tokens(0, "src", every), bounded.tokens(0, "src", every)):
+    for i, sampled, kept in zip(every, drawn(free, 0, "src", every), drawn(bounded, 0, "src", every)):
         expected = sampled if len(sampled) <= max_len else data.tokens("src", i)
         assert np.array_equal(kept, expected)
         fallbacks += len(sampled) > max_len

@@ -72,12 +72,6 @@ class SubwordSampler:
         uniforms = sentence_uniforms(self.seed, epoch, side, indices)
         return (self._sample(side, int(index), uniform) for index, uniform in zip(indices, uniforms))
 
-    def tokens(self, epoch: int, side: str, indices) -> list[np.ndarray]:
-        """The ids of each of ``indices`` in ``epoch``: sampled on a sampled side, else the prepared ones."""
-        if side not in self.sides:
-            return [self.data.tokens(side, index) for index in indices]
-        return list(self._draws(epoch, side, indices))
-
     def segment(self, epoch: int, side: str, indices) -> tuple[np.ndarray, np.ndarray]:
         """The sampled ids of ``indices`` end to end, and the offsets where each sentence's start (one more than
         ``indices``: the end). Gathered a block at a time: an array per sentence costs ~100 bytes of overhead."""
@@ -106,7 +100,8 @@ class SampledEpoch:
                                         else getattr(data, f"{side}_lens") for side in ("src", "tgt"))
 
     def keep(self, indices) -> None:
-        kept, position = np.unique(indices), np.searchsorted(self.kept, np.unique(indices))
+        kept = np.unique(indices)
+        position = np.searchsorted(self.kept, kept)
         for side, (ids, offsets) in self.segments.items():
             starts, lengths = offsets[position], offsets[position + 1] - offsets[position]
             new_offsets = np.concatenate([[0], np.cumsum(lengths)])
@@ -114,11 +109,12 @@ class SampledEpoch:
             self.segments[side] = ids[gather], new_offsets
         self.kept = kept
 
-    def _tokens(self, side: str, indices) -> list[np.ndarray]:
+    def tokens(self, side: str, indices) -> list[np.ndarray]:
+        """The ids of each of ``indices`` (kept sentences) in this epoch: sampled on a sampled side, else prepared."""
         if side not in self.segments:
             return [self.data.tokens(side, index) for index in indices]
         ids, offsets = self.segments[side]
         return [ids[offsets[k]:offsets[k + 1]] for k in np.searchsorted(self.kept, indices)]
 
     def collate(self, indices) -> dict:
-        return self.data.collate(indices, self._tokens)
+        return self.data.collate(indices, self.tokens)
