@@ -21,6 +21,9 @@ from dsmt import DsmtError
 
 AUTO = "auto"
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+# The sections dsmt reads or fills: when present, each must be a JSON object.
+OBJECT_SECTIONS = ("optimizer", "optimizer.params", "fp16", "bf16", "data_types", "timers", "timers.throughput",
+                   "zero_optimization", "zero_optimization.offload_optimizer", "zero_optimization.offload_param")
 
 
 def read_ds_config(path: str) -> dict:
@@ -33,6 +36,12 @@ def read_ds_config(path: str) -> dict:
         raise DsmtError(f"{path}:{e.lineno}:{e.colno}: invalid JSON ({e.msg})") from None
     if not isinstance(config, dict):
         raise DsmtError(f"{path}: a DeepSpeed config is a JSON object")
+    for section in OBJECT_SECTIONS:
+        value = config
+        for key in section.split("."):
+            value = value.get(key, {})
+            if not isinstance(value, dict):
+                raise DsmtError(f'{path}: "{section}" must be a JSON object ({{...}}), not {json.dumps(value)}')
     return config
 
 

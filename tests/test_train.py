@@ -1,3 +1,4 @@
+import json
 import subprocess
 from pathlib import Path
 
@@ -169,6 +170,21 @@ def test_invalid_json_names_line_and_column(tmp_path):
     bad.write_text('{\n  "train_batch_size": 8,\n  "zero_optimization": {"stage": 2,}\n}\n')
     with pytest.raises(DsmtError, match=r"bad.json:3:\d+: invalid JSON"):
         read_ds_config(str(bad))
+
+
+@pytest.mark.parametrize("ds, section", [
+    ({"timers": True}, "timers"),
+    ({"bf16": "auto"}, "bf16"),
+    ({"timers": {"throughput": 1}}, "timers.throughput"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": "cpu"}}, "zero_optimization.offload_optimizer"),
+    ({"optimizer": {"type": "AdamW", "params": []}}, "optimizer.params"),
+])
+def test_a_section_that_is_not_an_object_is_a_one_line_error(tmp_path, ds, section):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(ds))
+    with pytest.raises(DsmtError) as error:
+        read_ds_config(str(bad))
+    assert str(error.value).startswith(f'{bad}: "{section}" must be a JSON object')
 
 
 def test_freed_memory_is_reused_without_page_faults():
