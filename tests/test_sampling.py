@@ -114,7 +114,7 @@ def test_only_the_chosen_side_is_sampled(small_data):
     sampler = sampler_of(small_data, sides="tgt")
     data = sampler.data
     every = range(len(data))
-    sources = SampledEpoch(data, sampler, 3).tokens("src", every)
+    sources = SampledEpoch(data, sampler, 3).sentences("src", every)
     assert all(np.array_equal(ids, data.tokens("src", i)) for i, ids in zip(every, sources))
     assert np.array_equal(SampledEpoch(data, sampler, 3).src_lens, data.src_lens)
     assert any(not np.array_equal(ids, data.tokens("tgt", i)) for i, ids in zip(every, drawn(sampler, 3, "tgt", every)))

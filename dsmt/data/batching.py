@@ -63,6 +63,10 @@ class ParallelData:
         ids, offsets = (self.src_ids, self.src_offsets) if side == "src" else (self.tgt_ids, self.tgt_offsets)
         return ids[offsets[index]:offsets[index + 1]]
 
+    def sentences(self, side: str, indices) -> list[np.ndarray]:
+        """``tokens`` of each of ``indices``."""
+        return [self.tokens(side, index) for index in indices]
+
     def _rows(self, sequences: list[np.ndarray], prefix, suffix) -> torch.Tensor:
         width = max(map(len, sequences)) + len(prefix) + len(suffix)
         rows = np.full((len(sequences), width), self.pad, dtype=np.int64)
@@ -74,9 +78,10 @@ class ParallelData:
     def collate(self, indices, tokens=None) -> dict:
         """Right-padded ``src`` (x + EOS), ``tgt_in`` (BOS + y) and ``tgt_out`` (y + EOS) tensors; and on the host,
         the sentence ``indices`` and the rows' real lengths (``src_lengths``; ``tgt_lengths``, of either target).
-        ``tokens(side, indices)`` gives the sentences' ids: the prepared ones unless a sampled epoch passes its own."""
+        ``tokens(side, indices)`` gives the sentences' ids: the prepared ones (``sentences``) unless a sampled epoch
+        passes its own."""
         indices = np.asarray(indices)
-        tokens = tokens or (lambda side, chosen: [self.tokens(side, index) for index in chosen])
+        tokens = tokens or self.sentences
         src, tgt = tokens("src", indices), tokens("tgt", indices)
         return {"src": self._rows(src, [], [self.eos]), "tgt_in": self._rows(tgt, [self.bos], []),
                 "tgt_out": self._rows(tgt, [], [self.eos]), "indices": indices,

@@ -109,12 +109,12 @@ class SampledEpoch:
             self.segments[side] = ids[gather], new_offsets
         self.kept = kept
 
-    def tokens(self, side: str, indices) -> list[np.ndarray]:
+    def sentences(self, side: str, indices) -> list[np.ndarray]:
         """The ids of each of ``indices`` (kept sentences) in this epoch: sampled on a sampled side, else prepared."""
         if side not in self.segments:
-            return [self.data.tokens(side, index) for index in indices]
+            return self.data.sentences(side, indices)
         ids, offsets = self.segments[side]
         return [ids[offsets[k]:offsets[k + 1]] for k in np.searchsorted(self.kept, indices)]
 
     def collate(self, indices) -> dict:
-        return self.data.collate(indices, self.tokens)
+        return self.data.collate(indices, self.sentences)
