@@ -60,6 +60,8 @@ class SubwordSamplingConfig:
     # Kudo's (2018) n-best sampling: one of the n best segmentations, drawn with probability ∝ P(x)^alpha
     alpha: float = ranged(0.1, 0.0, 1.0, low_open=True)
     nbest: int = ranged(16, 2)
+    # threads segmenting an epoch; 0: this rank's share of the cores on a GPU (idle there), 1 on a CPU (training)
+    threads: int = ranged(0, 0)
 
 
 @dataclass

@@ -124,7 +124,8 @@ class Trainer:
         use_deterministic_kernels(cfg.train.deterministic)
         self.rank, self.world, local_world = init_distributed(cfg.train.dist_timeout_minutes)
         allow_tf32(cfg.train.tf32)
-        torch.set_num_threads(cfg.train.threads or max(1, (os.cpu_count() or 1) // local_world))
+        self.cores = max(1, (os.cpu_count() or 1) // local_world)  # this rank's share of the node's cores
+        torch.set_num_threads(cfg.train.threads or self.cores)
         keep_freed_memory()
         checkpoint.check_output_dir(cfg.train.output_dir)
         self.meta = meta = load_meta(cfg.data.dir)
@@ -178,8 +179,9 @@ class Trainer:
         if not options.enabled:
             return None
         fits = min(cfg.data.max_tokens, cfg.model.max_positions) - 1  # room left for EOS (BOS)
+        threads = options.threads or (self.cores if torch.cuda.is_available() else 1)
         return SubwordSampler(self.train_data, cfg.data.dir, options.sides, options.alpha, options.nbest,
-                              cfg.train.seed, max_len=fits)
+                              cfg.train.seed, max_len=fits, threads=threads)
 
     def _resume_source(self) -> tuple:
         """(checkpoint to resume from or None, whether it is a universal one). A ZeRO checkpoint written by

@@ -1,4 +1,5 @@
-"""Benchmark scripts run (not timed): the BLEU plot from TensorBoard scalars, the GPU check on a CPU, the throughput table."""
+"""Benchmark scripts run (not timed): the BLEU plot from TensorBoard scalars, the GPU check on a CPU, the throughput
+table, the sampling pass."""
 
 import re
 import subprocess
@@ -63,3 +64,12 @@ def test_train_throughput_takes_turns_and_prints_the_table(toy_data):
     sampled = re.search(r"dsmt with subword sampling \(data.subword_sampling.enabled=true\): (\d+) real src\+tgt "
                         r"tokens/s, ([\d.]+)× dsmt's .* epoch plan (\d+) ms a step, included", done.stdout)
     assert sampled and int(sampled[1]) > 0 and float(sampled[2]) > 0, done.stdout[-2000:]
+
+
+def test_sampling_pass_prints_a_row_per_thread_count(toy_data):
+    done = subprocess.run([PYTHON, "benchmarks/sampling_pass.py", "--data", str(toy_data), "--threads", "1,2",
+                           "--rounds", "1"], cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.strip("| ").split(" | ") for line in done.stdout.splitlines() if re.match(r"\| \d", line)]
+    assert [row[0] for row in rows] == ["1", "2"] and rows[0][3] == "1.00×"
+    assert all(float(row[1]) > 0 and float(row[3].rstrip("×")) > 0 for row in rows)

@@ -34,8 +34,9 @@ def small_data(tmp_path_factory, toy_data):
     return folder / "data"
 
 
-def sampler_of(data_dir, sides="both", alpha=0.1, nbest=16, seed=1, max_len=1000):
-    return SubwordSampler(ParallelData(str(data_dir), "train"), str(data_dir), sides, alpha, nbest, seed, max_len)
+def sampler_of(data_dir, sides="both", alpha=0.1, nbest=16, seed=1, max_len=1000, threads=1):
+    return SubwordSampler(ParallelData(str(data_dir), "train"), str(data_dir), sides, alpha, nbest, seed, max_len,
+                          threads)
 
 
 def drawn(sampler: SubwordSampler, epoch: int, side: str, indices) -> list[np.ndarray]:
@@ -170,6 +171,43 @@ def test_a_sampled_segmentation_too_long_for_a_batch_keeps_the_prepared_ids(smal
         assert np.array_equal(kept, expected)
         fallbacks += len(sampled) > max_len
     assert fallbacks > 0 and SampledEpoch(data, bounded, 0).src_lens.max() == max_len + 1
+
+
+def test_a_draw_is_one_of_the_nbest_with_probability_as_p_to_the_alpha_whatever_the_thread_count(small_data):
+    """The sampler's block-wise, threaded draws against the definition written out one sentence at a time: the
+    sentence's uniform picks, among its n best segmentations in order, the first whose cumulative share of
+    the weights P(x)^alpha exceeds it."""
+    sp = spm.SentencePieceProcessor(model_file=str(small_data / "spm.model"))
+    log_prob = np.array([sp.get_score(i) for i in range(sp.vocab_size())])
+    sampler = sampler_of(small_data, alpha=0.3, nbest=8)
+    text, offsets = sampler.text["src"]
+    every = np.arange(len(sampler.data))
+    uniforms = sentence_uniforms(1, 5, "src", every)
+    expected = []
+    for i in every:
+        candidates = sp.nbest_encode_as_ids(text[offsets[i]:offsets[i + 1]].tobytes().decode(), 8)
+        log_p = np.array([log_prob[c].sum() for c in candidates])
+        weights = np.cumsum(np.exp(0.3 * (log_p - log_p.max())))
+        expected.append(candidates[int(np.searchsorted(weights, uniforms[i] * weights[-1], side="right"))])
+    for threads in (1, 3):
+        got = drawn(sampler_of(small_data, alpha=0.3, nbest=8, threads=threads), 5, "src", every)
+        assert [ids.tolist() for ids in got] == expected
+    assert sum(ids != sampler.data.tokens("src", i).tolist() for i, ids in enumerate(expected)) > len(every) // 4
+
+
+def test_a_sentence_that_normalizes_to_nothing_is_sampled_as_its_prepared_empty_ids(tmp_path):
+    """A control or zero-width character alone passes prepare's empty-line filter but has no pieces: its n-best
+    list is one empty segmentation, wherever it falls in a block."""
+    nothing = ["\x07", "\u200b"]
+    src, tgt = SMALL_EN[:40] + nothing + SMALL_EN[40:60] + nothing, SMALL_DE[:40] + ["a", "b"] + SMALL_DE[40:60] + ["c", "d"]
+    splits = {"train": write_pairs(tmp_path, "train", src, tgt), "valid": write_pairs(tmp_path, "v", src[:3], tgt[:3])}
+    prepare(splits, str(tmp_path / "out"), PrepareOptions("en", "de", vocab_size=50))
+    sampler = sampler_of(tmp_path / "out")
+    every = range(len(sampler.data))
+    empty = [i for i in every if len(sampler.data.tokens("src", i)) == 0]
+    assert len(empty) == 4
+    draws = drawn(sampler, 0, "src", every)
+    assert [i for i in every if len(draws[i]) == 0] == empty
 
 
 def test_draws_are_uniform_and_depend_on_every_key():

@@ -10,6 +10,7 @@ sentences only, which its batches are built from.
 """
 
 import itertools
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,7 @@ import sentencepiece as spm
 from dsmt import DsmtError
 
 SIDES = {"src": 0, "tgt": 1}
-SEGMENT_BLOCK = 4096  # sentences per block of ids gathered in a sampled pass
+SEGMENT_BLOCK = 128  # sentences drawn at once, by one thread (larger blocks measured slower: more live objects)
 
 
 def sentence_uniforms(seed: int, epoch: int, side: str, indices) -> np.ndarray:
@@ -34,9 +35,10 @@ def sentence_uniforms(seed: int, epoch: int, side: str, indices) -> np.ndarray:
 class SubwordSampler:
     """Sampled segmentations of a prepared training split, for the sides in ``sides`` ("src", "tgt" or
     "both"); the other side, and any sampled segmentation longer than ``max_len`` tokens (which would not fit
-    a batch or the model), keep the prepared ids."""
+    a batch or the model), keep the prepared ids. A pass over many sentences runs on ``threads`` threads."""
 
-    def __init__(self, data, data_dir: str, sides: str, alpha: float, nbest: int, seed: int, max_len: int):
+    def __init__(self, data, data_dir: str, sides: str, alpha: float, nbest: int, seed: int, max_len: int,
+                 threads: int = 1):
         meta, folder = data.meta, Path(data_dir)
         if meta["format"] < 2:
             raise DsmtError(f"{data_dir} was prepared by an older dsmt and holds no training text, which "
@@ -45,6 +47,7 @@ class SubwordSampler:
             raise DsmtError(f"data.subword_sampling draws among a unigram model's segmentations and {data_dir} "
                             f"has a {meta['model_type']} model; prepare with --model-type unigram (the default)")
         self.data, self.alpha, self.nbest, self.seed, self.max_len = data, alpha, nbest, seed, max_len
+        self.threads = threads
         self.sides = ("src", "tgt") if sides == "both" else (sides,)
         self.text, self.processors, self.log_probs = {}, {}, {}
         for side in self.sides:
@@ -55,35 +58,41 @@ class SubwordSampler:
             self.processors[side] = sp
             self.log_probs[side] = np.array([sp.get_score(i) for i in range(sp.vocab_size())])
 
-    def _sample(self, side: str, index: int, uniform: float) -> np.ndarray:
-        """One of the sentence's ``nbest`` best segmentations, drawn with probability ∝ P(x)^alpha."""
+    def _draw_block(self, epoch: int, side: str, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The sampled ids of a block of sentences end to end, and their lengths: for each, one of its ``nbest``
+        best segmentations, drawn with probability ∝ P(x)^alpha. sentencepiece's n-best search (most of the
+        time, run without Python's lock) is called per sentence; the draws are made for the block at once."""
         text, offsets = self.text[side]
-        line = text[offsets[index]:offsets[index + 1]].tobytes().decode("utf-8")
-        candidates = self.processors[side].nbest_encode_as_ids(line, self.nbest)
+        nbests = [self.processors[side].nbest_encode_as_ids(text[offsets[i]:offsets[i + 1]].tobytes().decode("utf-8"),
+                                                            self.nbest) for i in indices]
+        counts = np.fromiter(map(len, nbests), np.int64, len(nbests))
+        candidates = list(itertools.chain.from_iterable(nbests))
         lengths = np.fromiter(map(len, candidates), np.int64, len(candidates))
         pieces = np.fromiter(itertools.chain.from_iterable(candidates), np.int64, int(lengths.sum()))
-        log_p = np.add.reduceat(self.log_probs[side][pieces], np.cumsum(lengths) - lengths)
-        weights = np.cumsum(np.exp(self.alpha * (log_p - log_p.max())))
-        choice = candidates[int(np.searchsorted(weights, uniform * weights[-1], side="right"))]
-        return np.asarray(choice, self.data.src_ids.dtype) if len(choice) <= self.max_len else self.data.tokens(side, index)
-
-    def _draws(self, epoch: int, side: str, indices):
-        """The sampled ids of each of ``indices``, one at a time (the draws for all of them made at once)."""
-        uniforms = sentence_uniforms(self.seed, epoch, side, indices)
-        return (self._sample(side, int(index), uniform) for index, uniform in zip(indices, uniforms))
+        # log P of each candidate, one row per sentence (-inf pads: weight 0). An empty segmentation (a sentence
+        # that normalizes to nothing has only that one) gets any finite value: the appended 0 keeps reduceat in range.
+        first = np.cumsum(counts) - counts
+        rows, columns = np.repeat(np.arange(len(nbests)), counts), np.arange(len(candidates)) - np.repeat(first, counts)
+        log_p = np.full((len(nbests), int(counts.max(initial=1))), -np.inf)
+        log_p[rows, columns] = np.add.reduceat(np.append(self.log_probs[side][pieces], 0.0), np.cumsum(lengths) - lengths)
+        weights = np.cumsum(np.exp(self.alpha * (log_p - log_p.max(axis=1, keepdims=True))), axis=1)
+        threshold = sentence_uniforms(self.seed, epoch, side, indices) * weights[:, -1]
+        chosen = first + (weights <= threshold[:, None]).sum(axis=1)
+        ids = [candidates[k] if lengths[k] <= self.max_len else self.data.tokens(side, i)
+               for k, i in zip(chosen, indices)]
+        sizes = np.fromiter(map(len, ids), np.int64, len(ids))
+        return np.fromiter(itertools.chain.from_iterable(ids), self.data.src_ids.dtype, int(sizes.sum())), sizes
 
     def segment(self, epoch: int, side: str, indices) -> tuple[np.ndarray, np.ndarray]:
         """The sampled ids of ``indices`` end to end, and the offsets where each sentence's start (one more than
-        ``indices``: the end). Gathered a block at a time: an array per sentence costs ~100 bytes of overhead."""
-        offsets, blocks, block = np.zeros(len(indices) + 1, np.int64), [], []
-        for k, ids in enumerate(self._draws(epoch, side, indices), 1):
-            offsets[k] = len(ids)
-            block.append(ids)
-            if len(block) == SEGMENT_BLOCK:
-                blocks.append(np.concatenate(block))
-                block = []
-        blocks.append(np.concatenate(block) if block else np.empty(0, self.data.src_ids.dtype))
-        return np.concatenate(blocks), np.cumsum(offsets)
+        ``indices``: the end). Blocks of sentences are drawn on ``threads`` threads, in the same order: the
+        result does not depend on the thread count."""
+        indices = np.asarray(indices, np.int64)
+        blocks = [indices[k:k + SEGMENT_BLOCK] for k in range(0, len(indices), SEGMENT_BLOCK)]
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="dsmt-sampling") as pool:
+            drawn = list(pool.map(lambda block: self._draw_block(epoch, side, block), blocks))
+        ids = np.concatenate([np.empty(0, self.data.src_ids.dtype), *(ids for ids, _ in drawn)])
+        return ids, np.concatenate([[0], np.cumsum(np.concatenate([np.empty(0, np.int64), *(n for _, n in drawn)]))])
 
 
 class SampledEpoch:
