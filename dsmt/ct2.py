@@ -8,6 +8,7 @@ tokens handling in the model config, so that callers pass plain subword pieces:
 ``ctranslate2.Translator(DIR).translate_batch([sp.encode(line, out_type=str)])``.
 """
 
+import collections
 import json
 import shutil
 from pathlib import Path
@@ -156,7 +157,7 @@ class CTranslate2Search:
     ``beam`` hypotheses have ended: patience 1) and returns every ended hypothesis, which are then ranked with
     dsmt's penalty: the same choice as dsmt's own search whenever both searches end the same hypotheses."""
 
-    def __init__(self, model_dir: str, device, threads: int):
+    def __init__(self, model_dir: str, device, threads: int, workers: int | None = None):
         import ctranslate2
 
         config = json.loads((Path(model_dir) / "config.json").read_text())[DSMT_CONFIG]
@@ -164,19 +165,36 @@ class CTranslate2Search:
         self.spm_paths = {side: Path(model_dir) / name for side, name in spm_files(config["joint_vocabulary"]).items()}
         self.src_sp, self.tgt_sp = (spm.SentencePieceProcessor(model_file=str(self.spm_paths[side])) for side in ("src", "tgt"))
         self.eos = self.tgt_sp.id_to_piece(self.tgt_sp.eos_id())
+        # On a CPU, batches decoded side by side on one thread each beat one batch on all threads (a beam step
+        # of one batch is too small to keep several cores busy); one GPU runs one batch at a time.
+        self.workers = workers or (threads if device.type == "cpu" else 1)
         self.translator = ctranslate2.Translator(model_dir, device=device.type, device_index=device.index or 0,
-                                                 intra_threads=threads)
+                                                 inter_threads=self.workers,
+                                                 intra_threads=max(1, threads // self.workers))
 
-    def __call__(self, sources: list[list[int]], beam: int, lenpen: float, max_len: int, nbest: int):
-        """Per source (ids ending with EOS) the ``nbest`` best (score, ids), as ``dsmt.decode.beam_search``."""
+    def translate_batches(self, requests, beam: int, lenpen: float, nbest: int):
+        """For each request (sources as ids ending with EOS, max output length), in order, the ``nbest`` best
+        (score, ids) per source, as ``dsmt.decode.beam_search``. One more batch than workers is in flight."""
+        pending = collections.deque()
+        for sources, max_len in requests:
+            pending.append(self._submit(sources, beam, max_len))
+            if len(pending) > self.workers:
+                yield self._ranked(pending.popleft(), lenpen, nbest)
+        while pending:
+            yield self._ranked(pending.popleft(), lenpen, nbest)
+
+    def _submit(self, sources: list[list[int]], beam: int, max_len: int) -> list:
+        pieces = [[self.src_sp.id_to_piece(i) for i in ids[:-1]] for ids in sources]  # the model adds the EOS
+        return self.translator.translate_batch(
+            pieces, asynchronous=True, beam_size=beam, patience=1, num_hypotheses=beam, length_penalty=0,
+            max_decoding_length=max_len, min_decoding_length=0, max_input_length=0, return_scores=True,
+            return_end_token=True)
+
+    def _ranked(self, submitted: list, lenpen: float, nbest: int) -> list[list[tuple[float, list[int]]]]:
         from dsmt.decode import length_penalty
 
-        pieces = [[self.src_sp.id_to_piece(i) for i in ids[:-1]] for ids in sources]  # the model adds the EOS
-        results = self.translator.translate_batch(
-            pieces, beam_size=beam, patience=1, num_hypotheses=beam, length_penalty=0, max_decoding_length=max_len,
-            min_decoding_length=0, max_input_length=0, return_scores=True, return_end_token=True)
         found = []
-        for result in results:
+        for result in (async_result.result() for async_result in submitted):
             hyps = []
             for tokens, score in zip(result.hypotheses, result.scores):
                 ended = bool(tokens) and tokens[-1] == self.eos

@@ -45,13 +45,16 @@ class DsmtSearch:
                 raise DsmtError(f"{checkpoint}: a sentencepiece model has {sp.vocab_size()} pieces but the model "
                                 f"{size}; the checkpoint and its vocabulary do not belong together")
 
-    def __call__(self, sources: list[list[int]], beam: int, lenpen: float, max_len: int, nbest: int):
-        pad = self.tgt_sp.pad_id()
-        src = torch.full((len(sources), max(map(len, sources))), pad, dtype=torch.long)
-        for row, ids in enumerate(sources):
-            src[row, : len(ids)] = torch.tensor(ids)
-        return beam_search(self.model, src.to(self.device), self.tgt_sp.bos_id(), self.tgt_sp.eos_id(), pad, beam,
-                           lenpen, max_len, nbest=nbest, use_cache=self.use_cache)
+    def translate_batches(self, requests, beam: int, lenpen: float, nbest: int):
+        """For each request (sources as ids ending with EOS, max output length), in order, the ``nbest`` best
+        (score, ids) per source."""
+        pad, bos, eos = self.tgt_sp.pad_id(), self.tgt_sp.bos_id(), self.tgt_sp.eos_id()
+        for sources, max_len in requests:
+            src = torch.full((len(sources), max(map(len, sources))), pad, dtype=torch.long)
+            for row, ids in enumerate(sources):
+                src[row, : len(ids)] = torch.tensor(ids)
+            yield beam_search(self.model, src.to(self.device), bos, eos, pad, beam, lenpen, max_len, nbest=nbest,
+                              use_cache=self.use_cache)
 
 
 class Translator:
@@ -107,9 +110,11 @@ class Translator:
         # Beam search holds beam × the source rows: bound that, sorted by length to keep padding low.
         order = todo[np.argsort(lengths[todo], kind="stable")]
         batches = token_batches(lengths, lengths, max(self.batch_tokens // self.beam, int(lengths.max())), order)
-        for batch in tqdm(batches, desc="translate", unit="batch", disable=None, leave=False):
-            max_len = max_output_length(int(lengths[batch].max()), self.max_len_a, self.max_len_b, self.max_positions)
-            found = self.search([ids[i] for i in batch], self.beam, self.lenpen, max_len, self.nbest)
+        requests = (([ids[i] for i in batch],
+                     max_output_length(int(lengths[batch].max()), self.max_len_a, self.max_len_b, self.max_positions))
+                    for batch in batches)
+        found_by_batch = self.search.translate_batches(requests, self.beam, self.lenpen, self.nbest)
+        for batch, found in zip(tqdm(batches, desc="translate", unit="batch", disable=None, leave=False), found_by_batch):
             for i, hyps in zip(batch, found):
                 out[i] = [(score, self.sp.decode(tokens)) for score, tokens in hyps]
         return out
