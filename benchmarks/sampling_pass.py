@@ -30,7 +30,7 @@ def main():
             sampler = SubwordSampler(data, args.data, "both", defaults.alpha, defaults.nbest, seed=1,
                                      max_len=1 << 30, threads=threads)
             start = time.perf_counter()
-            SampledEpoch(data, sampler, epoch)
+            SampledEpoch.whole(data, sampler, epoch)
             best[threads] = min(best[threads], time.perf_counter() - start)
     print(f"{len(data):,} sentence pairs, both sides, {os.cpu_count()} cores\n\n"
           "| threads | seconds a pass | sentence pairs/s | × one thread |\n| ---: | ---: | ---: | ---: |")

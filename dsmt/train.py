@@ -151,7 +151,10 @@ class Trainer:
         self.accumulation = ds_config["gradient_accumulation_steps"]
         self.precision = next((k for k in ("fp16", "bf16") if ds_config[k]["enabled"]), "fp32")
         self.pin_memory = self.engine.device.type == "cuda"
-        stream = BatchStream(self.train_data, cfg.data.max_tokens, cfg.train.seed, self.rank, self.world, sampler)
+        # Ranks share a sampled epoch's pass, exchanging its lengths; one rank makes it alone.
+        exchange = self._all_gather if sampler is not None and self.world > 1 else None
+        stream = BatchStream(self.train_data, cfg.data.max_tokens, cfg.train.seed, self.rank, self.world, sampler,
+                             exchange)
         self.step, self.best_bleu, self.minutes_before, self.grad_bytes = 0, -1.0, 0.0, None
         self.valid_bleu = {}  # step -> valid BLEU, this run's validations
         self.skipped_steps, self.skips_in_a_row, self.stop_signal = 0, 0, None
@@ -225,11 +228,20 @@ class Trainer:
         moved = {k: batch[k].to(device, non_blocking=True) for k in ("src", "tgt_in", "tgt_out")}
         return {**moved, "padding": batch["padding"].to(device, non_blocking=True)}
 
+    def _all_gather(self, array: np.ndarray) -> list[np.ndarray]:
+        """Every rank's ``array`` (the same shape on each), through the job's group: on the GPU there (NCCL
+        gathers device tensors only)."""
+        self.activity = "exchanging the sampled lengths of an epoch"
+        tensor = torch.from_numpy(array).to(self.engine.device)
+        gathered = [torch.empty_like(tensor) for _ in range(self.world)]
+        dist.all_gather(gathered, tensor)
+        return [t.cpu().numpy() for t in gathered]
+
     def _reduce_step(self, sums: torch.Tensor) -> torch.Tensor:
         """The one all-reduce of a step: its loss sums, whether any rank was signalled or rank 0 is out of time,
         and the token counts of the next step's batches, taken from the prefetcher now (they scale its loss)."""
+        self.next_micro = [next(self.batches) for _ in range(self.accumulation)]  # may exchange sampled lengths
         self.activity = f"agreeing on the totals of step {self.step}"
-        self.next_micro = [next(self.batches) for _ in range(self.accumulation)]
         limit = self.cfg.train.max_minutes
         out_of_time = self.rank == 0 and limit > 0 and self.minutes() >= limit
         batches = [batch for batch, _ in self.next_micro]

@@ -4,6 +4,8 @@ bitwise resume of a sampled run after kill -9."""
 
 import json
 import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +13,7 @@ import pytest
 import sentencepiece as spm
 
 from dsmt import DsmtError
-from dsmt.data.batching import BatchStream, ParallelData
+from dsmt.data.batching import BatchStream, ParallelData, Prefetcher
 from dsmt.data.prepare import PrepareOptions, prepare
 from dsmt.data.sampling import SampledEpoch, SubwordSampler, sentence_uniforms
 from tests.test_data import SMALL_DE, SMALL_EN, write_pairs
@@ -103,7 +105,7 @@ def test_sampled_segmentations_spell_the_same_text_differ_by_epoch_and_repeat_on
             assert rerun[i].tolist() == epochs[0]
             differ[side] += epochs[0] != epochs[1]
     assert min(differ.values()) > len(data) // 4, differ
-    lengths = SampledEpoch(data, sampler, 0).src_lens
+    lengths = SampledEpoch.whole(data, sampler, 0).src_lens
     sources = drawn(sampler, 0, "src", every)
     assert lengths.tolist() == [len(ids) + 1 for ids in sources]
     assert all(np.array_equal(drawn(sampler, 0, "src", [i])[0], sources[i])  # one at a time: the same draw
@@ -115,9 +117,9 @@ def test_only_the_chosen_side_is_sampled(small_data):
     sampler = sampler_of(small_data, sides="tgt")
     data = sampler.data
     every = range(len(data))
-    sources = SampledEpoch(data, sampler, 3).sentences("src", every)
+    sources = SampledEpoch.whole(data, sampler, 3).sentences("src", every)
     assert all(np.array_equal(ids, data.tokens("src", i)) for i, ids in zip(every, sources))
-    assert np.array_equal(SampledEpoch(data, sampler, 3).src_lens, data.src_lens)
+    assert np.array_equal(SampledEpoch.whole(data, sampler, 3).src_lens, data.src_lens)
     assert any(not np.array_equal(ids, data.tokens("tgt", i)) for i, ids in zip(every, drawn(sampler, 3, "tgt", every)))
 
 
@@ -136,6 +138,83 @@ def test_every_rank_count_sees_the_same_segmentation_of_a_sentence_in_exact_batc
             by_world[world].update(all_rows(stream, epoch))
     assert set(by_world[1]) == set(range(len(sampler.data)))
     assert by_world[1] == by_world[2] == by_world[3]
+
+
+class ThreadGroup:
+    """An all-gather among ``world`` threads, standing in for the ranks' process group."""
+
+    def __init__(self, world: int):
+        self.barrier, self.arrays = threading.Barrier(world, timeout=60), [None] * world
+
+    def all_gather(self, rank: int):
+        def gather(array):
+            self.arrays[rank] = array
+            self.barrier.wait()
+            gathered = list(self.arrays)
+            self.barrier.wait()
+            return gathered
+        return gather
+
+
+def counting(sampler: SubwordSampler) -> dict:
+    """Count the sentences ``sampler`` segments, by epoch and side (the calls may come from several threads)."""
+    counts, lock, segment = {}, threading.Lock(), sampler.segment
+
+    def counted(epoch, side, indices):
+        with lock:
+            counts[epoch, side] = counts.get((epoch, side), 0) + len(indices)
+        return segment(epoch, side, indices)
+    sampler.segment = counted
+    return counts
+
+
+@pytest.mark.parametrize("start", [(0, 0), (1, 3), (1, "end")])
+def test_ranks_sharing_the_sampled_pass_get_the_batches_of_a_rank_that_makes_it_alone(small_data, start):
+    """3 ranks (threads) each segment a third of every epoch and exchange the lengths while they take batches,
+    from the start or resumed mid-epoch or at an epoch's end: each gets, through three epochs, exactly the
+    batches and states of a rank that makes the whole pass itself, segmenting ~5/9 of what the ranks alone would."""
+    world, max_tokens = 3, 256
+    data, group = ParallelData(str(small_data), "train"), ThreadGroup(world)
+    epoch, position = start
+    if position == "end":
+        position = len(BatchStream(data, max_tokens, 1, 0, world, sampler_of(small_data)).batches(epoch))
+    state = {"epoch": epoch, "position": position, "world_size": world}
+    takes = 3 * -(-len(BatchStream(data, max_tokens, 1, sampler=sampler_of(small_data)).batches(0)) // world)
+
+    def shared(rank):
+        stream = BatchStream(data, max_tokens, 1, rank, world, sampler, exchange=group.all_gather(rank))
+        stream.load_state_dict(state)
+        ahead = Prefetcher(stream, lambda batch: batch, depth=2)
+        taken = [next(ahead) for _ in range(takes)]
+        ahead.close()
+        return taken
+
+    sampler = sampler_of(small_data)
+    counts = counting(sampler)
+    with ThreadPoolExecutor(world) as pool:
+        by_rank = list(pool.map(shared, range(world)))
+    for rank, taken in enumerate(by_rank):
+        alone = BatchStream(data, max_tokens, 1, rank, world, sampler_of(small_data))
+        alone.load_state_dict(state)
+        for batch, after in taken:
+            expected = next(alone)
+            assert after == alone.state_dict()
+            assert batch.keys() == expected.keys() and all(np.array_equal(batch[k], expected[k]) for k in batch)
+    epochs = {epoch for epoch, _ in counts}
+    assert len(epochs) >= 3
+    for epoch in epochs:
+        assert counts[epoch, "src"] < 0.6 * world * len(data)  # alone, each rank would segment every sentence
+
+
+def test_closing_a_stream_wakes_the_threads_waiting_for_an_exchange(small_data):
+    """A prefetcher whose first plan waits for an exchange that never comes (no batch was ever taken) closes."""
+    never = ThreadGroup(2).all_gather(0)
+    stream = BatchStream(ParallelData(str(small_data), "train"), 256, 1, 0, 2, sampler_of(small_data), never)
+    ahead = Prefetcher(stream, lambda batch: batch, depth=2)
+    closing = threading.Thread(target=ahead.close)
+    closing.start()
+    closing.join(timeout=10)
+    assert not closing.is_alive() and not ahead.thread.is_alive()
 
 
 def test_a_planned_epoch_keeps_its_ranks_sampled_ids_only_and_builds_batches_from_the_same_draws(small_data):
@@ -170,7 +249,7 @@ def test_a_sampled_segmentation_too_long_for_a_batch_keeps_the_prepared_ids(smal
         expected = sampled if len(sampled) <= max_len else data.tokens("src", i)
         assert np.array_equal(kept, expected)
         fallbacks += len(sampled) > max_len
-    assert fallbacks > 0 and SampledEpoch(data, bounded, 0).src_lens.max() == max_len + 1
+    assert fallbacks > 0 and SampledEpoch.whole(data, bounded, 0).src_lens.max() == max_len + 1
 
 
 def test_a_draw_is_one_of_the_nbest_with_probability_as_p_to_the_alpha_whatever_the_thread_count(small_data):

@@ -5,6 +5,7 @@ collective that another never joins. The stream is deterministic given (seed, ep
 and its position is a small state a checkpoint can store.
 """
 
+import itertools
 import queue
 import threading
 from pathlib import Path
@@ -14,7 +15,7 @@ import torch
 
 from dsmt import DsmtError
 from dsmt.data.prepare import load_meta
-from dsmt.data.sampling import SampledEpoch
+from dsmt.data.sampling import SampledEpoch, SampledPart
 
 
 class ParallelData:
@@ -127,29 +128,109 @@ def shard(batches: list, rank: int, world_size: int) -> list:
     return [batches[i % len(batches)] for i in range(rank, per_rank * world_size, world_size)]
 
 
+class StreamClosed(Exception):
+    """Raised in a thread that was waiting for an epoch's plan when the stream was closed."""
+
+
 class BatchStream:
     """This rank's batches, epoch after epoch, without end; ``state_dict`` is (epoch, position). With a
     ``SubwordSampler``, each epoch is segmented anew and planned from its sampled lengths, the next epoch's
-    plan worked out on a thread of its own while this one is trained on (it takes a pass over the text)."""
+    plan worked out on a thread of its own while this one is trained on (it takes a pass over the text).
+
+    With ``exchange`` (every rank's equally shaped array, gathered: an all-gather), the ranks share that pass:
+    each segments every world-th sentence, on a thread of its own, and the ranks exchange the lengths. The
+    exchange is a collective, so it is made by the thread that trains, in ``sync``, at the same point of every
+    rank's batches: before the first batch it takes, and halfway through each epoch for the epoch after it
+    (whose part then had half an epoch to be made, and its plan half an epoch before it is needed). Planning
+    threads only wait for it; nothing but the training thread ever waits on another rank."""
 
     def __init__(self, data: ParallelData, max_tokens: int, seed: int, rank: int = 0, world_size: int = 1,
-                 sampler=None):
+                 sampler=None, exchange=None):
         self.data, self.max_tokens, self.seed, self.sampler = data, max_tokens, seed, sampler
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.exchange = rank, world_size, exchange
         self.epoch, self.position = 0, 0
         self._batches = self._view = self._next_plan = None
+        self._parts = self._next_exchange = None  # this rank's parts of the passes; the next epoch to exchange
+        self._exchanged, self._changed, self._closed = {}, threading.Condition(), False
+        self._planned = {}  # epoch -> this rank's batch count (or what planning it raised), once planned
 
     def plan(self, epoch: int) -> tuple:
         """(the data as ``epoch`` segments it, with its lengths and collate; this rank's batches of it)."""
-        view = self.data if self.sampler is None else SampledEpoch(self.data, self.sampler, epoch)
-        batches = shard(epoch_batches(view.src_lens, view.tgt_lens, self.max_tokens, self.seed, epoch), self.rank,
-                        self.world_size)
-        if self.sampler is not None:
-            view.keep(np.concatenate(batches))
+        try:
+            view = self.data if self.sampler is None else self._sampled_epoch(epoch)
+            batches = shard(epoch_batches(view.src_lens, view.tgt_lens, self.max_tokens, self.seed, epoch),
+                            self.rank, self.world_size)
+            if self.sampler is not None:
+                view.keep(np.concatenate(batches))
+        except BaseException as error:
+            self._planned_as(epoch, error)
+            raise
+        self._planned_as(epoch, len(batches))
         return view, batches
+
+    def _planned_as(self, epoch: int, outcome) -> None:
+        with self._changed:
+            self._planned[epoch] = outcome
+            self._changed.notify_all()
+
+    def _wait_for(self, found, what: str):
+        """``found()`` once it is not None, waiting for the planning threads; raises if the stream closed."""
+        with self._changed:
+            while (value := found()) is None:
+                if self._closed:
+                    raise StreamClosed(f"the stream closed before {what}")
+                self._changed.wait()
+        return value
 
     def batches(self, epoch: int) -> list[np.ndarray]:
         return self.plan(epoch)[1]
+
+    def _sampled_epoch(self, epoch: int) -> SampledEpoch:
+        if self.exchange is None:
+            return SampledEpoch.whole(self.data, self.sampler, epoch)
+        part, lengths = self._wait_for(lambda: self._exchanged.pop(epoch, None), f"epoch {epoch}'s exchange")
+        return SampledEpoch(self.data, self.sampler, part, lengths)
+
+    def sync(self, state: dict) -> None:
+        """On the thread that trains, before it takes a batch, given the stream's state after the last one it
+        took (or the state it started from): the exchanges planning waits for, the same on every rank."""
+        if self.exchange is None:
+            return
+        if self._parts is None:  # this rank's parts of the passes from here on, made one ahead of their exchange
+            self._next_exchange = state["epoch"]
+            parts = (SampledPart(self.data, self.sampler, epoch, self.rank, self.world_size)
+                     for epoch in itertools.count(state["epoch"]))
+            self._parts = Ahead(parts, depth=1, name="dsmt-sampling")
+        epoch, position = state["epoch"], state["position"]
+        if self._next_exchange == epoch:  # the first take: the epoch it starts in
+            self._exchange(epoch)
+        if self._next_exchange == epoch + 1:
+            count = self._wait_for(lambda: self._planned.get(epoch), f"epoch {epoch}'s plan")
+            if isinstance(count, BaseException):
+                raise count
+            if 2 * position >= count:
+                self._exchange(epoch + 1)
+
+    def _exchange(self, epoch: int) -> None:
+        part = next(self._parts)
+        assert part.epoch == epoch, (part.epoch, epoch)
+        count, rows = len(self.data), -(-len(self.data) // self.world_size)
+        mine = np.zeros((2, rows), np.int32)  # every rank's part padded to the largest
+        mine[:, :len(part.indices)] = part.lengths
+        lengths = np.empty((2, count), np.int32)
+        for rank, theirs in enumerate(self.exchange(mine)):
+            lengths[:, rank::self.world_size] = theirs[:, :len(range(rank, count, self.world_size))]
+        with self._changed:
+            self._exchanged[epoch], self._next_exchange = (part, lengths), epoch + 1
+            self._changed.notify_all()
+
+    def close(self) -> None:
+        """Wake the threads waiting for an exchange that will not come: they raise ``StreamClosed``."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+        if self._parts is not None:
+            self._parts.close(wait=False)  # a part half made is left to its daemon thread: no rank waits on it
 
     def _start(self, epoch: int) -> None:
         ahead = self._next_plan
@@ -203,23 +284,19 @@ class InBackground:
         return self._value
 
 
-class Prefetcher:
-    """``(prepare(batch), state)`` for each batch of ``stream``, built up to ``depth`` ahead in a background thread
-    (numpy work that would otherwise sit between two GPU steps), ``state`` being the stream's state after that
-    batch: a checkpoint stores the state after the last batch trained on, not after those built ahead. The
-    stream is deterministic, so the items are exactly those of the stream itself."""
+class Ahead:
+    """The items of the endless iterator ``items``, made up to ``depth`` ahead on a daemon thread; an error
+    raised in making one is raised where that item would have been taken."""
 
-    def __init__(self, stream, prepare, depth: int):
-        self.stream, self.prepare = stream, prepare
-        self.queue, self.stopped = queue.Queue(maxsize=depth), threading.Event()
-        self.thread = threading.Thread(target=self._fill, name="dsmt-prefetch", daemon=True)
+    def __init__(self, items, depth: int, name: str):
+        self.items, self.queue, self.stopped = items, queue.Queue(maxsize=depth), threading.Event()
+        self.thread = threading.Thread(target=self._fill, name=name, daemon=True)
         self.thread.start()
 
     def _fill(self) -> None:
         try:
             while not self.stopped.is_set():
-                batch = next(self.stream)
-                self.queue.put((self.prepare(batch), self.stream.state_dict()))
+                self.queue.put(next(self.items))
         except BaseException as error:  # handed to the consumer, which raises it
             self.queue.put(error)
 
@@ -233,11 +310,34 @@ class Prefetcher:
             raise item
         return item
 
-    def close(self) -> None:
-        """Stop the thread: it sees the flag once the queue has room again."""
+    def close(self, wait: bool = True) -> None:
+        """Stop the thread: it sees the flag once the queue has room again; ``wait`` for it to end."""
         self.stopped.set()
-        while self.thread.is_alive():
+        while True:
             try:
                 self.queue.get(timeout=0.1)
             except queue.Empty:
-                pass
+                if not (wait and self.thread.is_alive()):
+                    return
+
+
+class Prefetcher(Ahead):
+    """``(prepare(batch), state)`` for each batch of ``stream``, built up to ``depth`` ahead in a background thread
+    (numpy work that would otherwise sit between two GPU steps), ``state`` being the stream's state after that
+    batch: a checkpoint stores the state after the last batch trained on, not after those built ahead. The
+    stream is deterministic, so the items are exactly those of the stream itself. Taking an item first lets
+    the stream make its collectives (``BatchStream.sync``) on the taking thread."""
+
+    def __init__(self, stream, prepare, depth: int):
+        self.stream, self.state = stream, stream.state_dict()
+        super().__init__(((prepare(batch), stream.state_dict()) for batch in stream), depth, "dsmt-prefetch")
+
+    def __next__(self):
+        self.stream.sync(self.state)
+        item = super().__next__()
+        self.state = item[1]
+        return item
+
+    def close(self) -> None:
+        self.stream.close()
+        super().close()

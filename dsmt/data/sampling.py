@@ -6,7 +6,8 @@ rerun and resume sees the same one. The draw is dsmt's own, from sentencepiece's
 sentencepiece's built-in sampling draws from a generator seeded per process (the same seed gives other
 segmentations in another process). An epoch is planned from its sampled lengths (one pass over the text, kept
 as memory-mapped UTF-8 by prepare), so token batches stay exact; that pass's ids are then kept for this rank's
-sentences only, which its batches are built from.
+sentences only, which its batches are built from. Several ranks share that pass: each segments every
+world-th sentence and the ranks exchange the lengths (``dsmt.data.batching.BatchStream``).
 """
 
 import itertools
@@ -95,27 +96,58 @@ class SubwordSampler:
         return ids, np.concatenate([[0], np.cumsum(np.concatenate([np.empty(0, np.int64), *(n for _, n in drawn)]))])
 
 
-class SampledEpoch:
-    """One epoch of ``data`` as the sampler segments it: the lengths its batches are planned from, from one
-    sampled pass over every sentence, and ``collate``. ``keep(indices)`` then drops all but those sentences'
-    ids (this rank's, once the epoch is planned): batches are built from the kept ids, so each sentence is
-    segmented once an epoch. Until then the pass's ids take 2 bytes per token of the corpus (uint16 ids: vocabularies up to
-    65,536 pieces) and 8 per sentence."""
+def select(segments: tuple[np.ndarray, np.ndarray], positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The sentences at ``positions`` of ``segments`` (ids end to end, offsets), in that order."""
+    ids, offsets = segments
+    starts, lengths = offsets[positions], offsets[positions + 1] - offsets[positions]
+    new_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    return ids[np.repeat(starts - new_offsets[:-1], lengths) + np.arange(new_offsets[-1])], new_offsets
 
-    def __init__(self, data, sampler: SubwordSampler, epoch: int):
-        self.data, self.kept = data, np.arange(len(data))
-        self.segments = {side: sampler.segment(epoch, side, self.kept) for side in sampler.sides}
-        self.src_lens, self.tgt_lens = (np.diff(self.segments[side][1]).astype(np.int32) + 1 if side in self.segments
-                                        else getattr(data, f"{side}_lens") for side in ("src", "tgt"))
+
+class SampledPart:
+    """One rank's share of an epoch's sampled pass: the sentences ``rank::world`` segmented (every sentence for
+    ``world`` 1), with their sampled lengths. The ranks' parts together give every rank the whole epoch's
+    lengths, which each rank needs to plan the same batches (``dsmt.data.batching.BatchStream``)."""
+
+    def __init__(self, data, sampler: SubwordSampler, epoch: int, rank: int = 0, world: int = 1):
+        self.epoch, self.indices = epoch, np.arange(rank, len(data), world)
+        self.segments = {side: sampler.segment(epoch, side, self.indices) for side in sampler.sides}
+        self.lengths = np.stack([np.diff(self.segments[side][1]) + 1 if side in self.segments  # + EOS
+                                 else getattr(data, f"{side}_lens")[self.indices]
+                                 for side in ("src", "tgt")]).astype(np.int32)
+
+
+class SampledEpoch:
+    """One epoch of ``data`` as the sampler segments it: the lengths its batches are planned from (``lengths``,
+    2 × sentences: source and target, from one sampled pass over every sentence, made by this rank alone or
+    shared among the ranks) and ``collate``. ``keep(indices)`` then keeps only those sentences' ids (this
+    rank's, once the epoch is planned): those of ``part`` as they are, the others segmented then, so each
+    sentence is segmented once an epoch by one rank, or twice where the rank that trains on it is not the one
+    that measured it. Ids take 2 bytes per token (uint16: vocabularies up to 65,536 pieces), 8 per sentence."""
+
+    def __init__(self, data, sampler: SubwordSampler, part: SampledPart, lengths: np.ndarray):
+        self.data, self.sampler, self.epoch = data, sampler, part.epoch
+        self.kept, self.segments = part.indices, part.segments
+        self.src_lens, self.tgt_lens = lengths
+
+    @classmethod
+    def whole(cls, data, sampler: SubwordSampler, epoch: int) -> "SampledEpoch":
+        """The epoch from a pass over every sentence made here."""
+        part = SampledPart(data, sampler, epoch)
+        return cls(data, sampler, part, part.lengths)
 
     def keep(self, indices) -> None:
         kept = np.unique(indices)
-        position = np.searchsorted(self.kept, kept)
+        position = np.searchsorted(self.kept, kept).clip(max=max(len(self.kept) - 1, 0))
+        held = self.kept[position] == kept if len(self.kept) else np.zeros(len(kept), bool)
+        missing = kept[~held]
+        where = np.empty(len(kept), np.int64)  # each kept sentence's place among (held ids, then missing ones)
+        where[held], where[~held] = position[held], len(self.kept) + np.arange(len(missing))
         for side, (ids, offsets) in self.segments.items():
-            starts, lengths = offsets[position], offsets[position + 1] - offsets[position]
-            new_offsets = np.concatenate([[0], np.cumsum(lengths)])
-            gather = np.repeat(starts - new_offsets[:-1], lengths) + np.arange(new_offsets[-1])
-            self.segments[side] = ids[gather], new_offsets
+            if len(missing):
+                new_ids, new_offsets = self.sampler.segment(self.epoch, side, missing)
+                ids, offsets = np.concatenate([ids, new_ids]), np.concatenate([offsets[:-1], new_offsets + offsets[-1]])
+            self.segments[side] = select((ids, offsets), where)
         self.kept = kept
 
     def sentences(self, side: str, indices) -> list[np.ndarray]:
