@@ -1,6 +1,6 @@
 """Subword sampling's pass over an epoch on 1, 2, ... threads: sentences/s of each and the ratio to one thread.
 
-    python benchmarks/sampling_pass.py --data data/multi30k_en_de_v2 --threads 1,2
+    python benchmarks/sampling_pass.py --data data/multi30k_en_de --threads 1,2
 
 Times what starts every sampled epoch (`SampledEpoch`: both sides of every training sentence segmented with
 the recipe's defaults, n-best 16 and alpha 0.1) on a prepared data directory, the thread counts taking turns
