@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import sentencepiece as spm
+import torch
 
 from dsmt import DsmtError
 from dsmt.files import Product, check_replaceable, staged_dir
@@ -168,9 +169,13 @@ class CTranslate2Search:
         # On a CPU, batches decoded side by side on one thread each beat one batch on all threads (a beam step
         # of one batch is too small to keep several cores busy); one GPU runs one batch at a time.
         self.workers = workers or (threads if device.type == "cpu" else 1)
+        torch_threads = torch.get_num_threads()
         self.translator = ctranslate2.Translator(model_dir, device=device.type, device_index=device.index or 0,
                                                  inter_threads=self.workers,
                                                  intra_threads=max(1, threads // self.workers))
+        # CTranslate2 sets the process's OpenMP thread count to intra_threads, which torch shares: without this,
+        # torch (and every later Translator, which sizes itself by torch's count) would run on that many.
+        torch.set_num_threads(torch_threads)
 
     def translate_batches(self, requests, beam: int, lenpen: float, nbest: int):
         """For each request (sources as ids ending with EOS, max output length), in order, the ``nbest`` best

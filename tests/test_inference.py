@@ -426,6 +426,21 @@ def test_ctranslate2_behind_dsmt_translate_chooses_as_dsmt(trained, ct2_model):
         assert same_sets == len(lines) if beam == 1 else same_sets >= len(lines) // 2
 
 
+def test_ctranslate2_leaves_torchs_threads_and_each_translator_gets_them_all(ct2_model):
+    """CTranslate2 sets the process's OpenMP threads to its intra-op count on loading a model: dsmt puts torch's
+    back, so that dsmt's own decoding after it, and the next CTranslate2 model, still use every thread."""
+    from dsmt.translate import Translator
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for _ in range(2):
+            assert Translator(str(ct2_model), device="cpu").search.workers == 2
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("variant", [dict(norm_first=True), dict(norm_first=False),
                                      dict(positions="learned", share_embeddings=False),
                                      dict(share_embeddings=False, src_vocab_size=300)],
