@@ -16,7 +16,8 @@ import sentencepiece as spm
 
 from dsmt import DsmtError
 from dsmt.data import corpora
-from dsmt.data.batching import BatchStream, ParallelData, Prefetcher, epoch_batches, shard, token_batches
+from dsmt.data.batching import (Ahead, BatchStream, ParallelData, Prefetcher, StreamClosed, epoch_batches, shard,
+                                 token_batches)
 from dsmt.data.corpora import MULTI30K_SPLITS, download, multi30k_prefixes
 from dsmt.data.prepare import PrepareOptions, prepare
 from tests.conftest import MULTI30K, PYTHON, REPO, run_env
@@ -87,6 +88,38 @@ def test_prefetcher_yields_the_streams_batches_and_states_and_passes_errors_on(m
     with pytest.raises(ValueError, match="bad batch"):
         next(failing)
     failing.close()
+
+
+def test_ahead_makes_at_most_depth_items_before_they_are_taken_and_ends_with_its_items():
+    made, each_made = [], threading.Semaphore(0)
+
+    def items():
+        for item in range(5):
+            made.append(item)
+            each_made.release()
+            yield item
+    ahead = Ahead(items(), depth=2, name="test-ahead")
+    for _ in range(2):
+        assert each_made.acquire(timeout=10)
+    assert not each_made.acquire(timeout=0.5) and made == [0, 1]  # the bound holds while nothing is taken
+    assert next(ahead) == 0
+    assert each_made.acquire(timeout=10) and made == [0, 1, 2]  # taking one frees room for one more
+    assert [next(ahead) for _ in range(4)] == [1, 2, 3, 4]
+    for _ in range(2):  # the end of the items ends the iteration, on every later take too
+        with pytest.raises(StopIteration):
+            next(ahead)
+    ahead.close()
+    assert not ahead.thread.is_alive()
+
+    closed = Ahead(iter(range(100)), depth=1, name="test-ahead-closed")
+    assert next(closed) == 0
+    closed.close()
+    assert not closed.thread.is_alive()
+    taken = []  # at most the one item made before the close, then an error, not a hang
+    with pytest.raises(StreamClosed):
+        while True:
+            taken.append(next(closed))
+    assert taken in ([], [1])
 
 
 def test_collate_shapes_and_specials(multi30k_data):

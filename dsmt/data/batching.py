@@ -129,7 +129,8 @@ def shard(batches: list, rank: int, world_size: int) -> list:
 
 
 class StreamClosed(Exception):
-    """Raised in a thread that was waiting for an epoch's plan when the stream was closed."""
+    """Raised in a thread that was waiting for an epoch's plan when the stream was closed, and where an
+    item is taken from an ``Ahead`` that was closed."""
 
 
 class BatchStream:
@@ -149,7 +150,7 @@ class BatchStream:
         self.data, self.max_tokens, self.seed, self.sampler = data, max_tokens, seed, sampler
         self.rank, self.world_size, self.exchange = rank, world_size, exchange
         self.epoch, self.position = 0, 0
-        self._batches = self._view = self._next_plan = None
+        self._batches = self._view = self._plans = None  # the plans of this epoch on, made one ahead (sampled)
         self._parts = self._next_exchange = None  # this rank's parts of the passes; the next epoch to exchange
         self._exchanged, self._changed, self._closed = {}, threading.Condition(), False
         self._planned = {}  # epoch -> this rank's batch count (or what planning it raised), once planned
@@ -229,14 +230,20 @@ class BatchStream:
         with self._changed:
             self._closed = True
             self._changed.notify_all()
-        if self._parts is not None:
-            self._parts.close(wait=False)  # a part half made is left to its daemon thread: no rank waits on it
+        for ahead in (self._plans, self._parts):
+            if ahead is not None:
+                ahead.close(wait=False)  # an item half made is left to its daemon thread: no rank waits on it
 
     def _start(self, epoch: int) -> None:
-        ahead = self._next_plan
-        self.epoch, (self._view, self._batches) = epoch, (ahead.result() if ahead and ahead.epoch == epoch
-                                                            else self.plan(epoch))
-        self._next_plan = InBackground(epoch + 1, self.plan) if self.sampler is not None else None
+        """Plan ``epoch``: a sampled stream takes the plan made while the last epoch was trained on (the
+        first one made here), a plain one plans it now (a shuffle and a sort of lengths already known)."""
+        if self.sampler is None:
+            self._view, self._batches = self.plan(epoch)
+        else:
+            if self._plans is None:
+                self._plans = Ahead((self.plan(e) for e in itertools.count(epoch)), depth=1, name="dsmt-next-epoch")
+            self._view, self._batches = next(self._plans)
+        self.epoch = epoch
 
     def __iter__(self):
         return self
@@ -259,70 +266,53 @@ class BatchStream:
         (rounded up: a few batches may be skipped, none repeated)."""
         consumed = state["position"] * state["world_size"]
         self.epoch, self.position, self._batches = state["epoch"], -(-consumed // self.world_size), None
-
-
-class InBackground:
-    """``function(epoch)`` computed on a daemon thread (which never holds up the process's exit);
-    ``result()`` waits for it and raises what it raised."""
-
-    def __init__(self, epoch: int, function):
-        self.epoch, self._done, self._value, self._error = epoch, threading.Event(), None, None
-        threading.Thread(target=self._run, args=(function,), name="dsmt-next-epoch", daemon=True).start()
-
-    def _run(self, function) -> None:
-        try:
-            self._value = function(self.epoch)
-        except BaseException as error:
-            self._error = error
-        finally:
-            self._done.set()
-
-    def result(self):
-        self._done.wait()
-        if self._error is not None:
-            raise self._error
-        return self._value
+        if self._plans is not None:  # what was planned ahead follows the old position, not this one
+            self._plans.close(wait=False)
+            self._plans = None
 
 
 class Ahead:
-    """The items of the endless iterator ``items``, made up to ``depth`` ahead on a daemon thread; an error
-    raised in making one is raised where that item would have been taken."""
+    """The items of the iterator ``items``, made on a daemon thread (which never holds up the process's exit)
+    at most ``depth`` ahead: no more than ``depth`` made and not yet taken, the one being made included, which
+    bounds the memory they hold. An error raised in making one, or the end of ``items``, is raised where that
+    item would have been taken, and again on every later take."""
 
     def __init__(self, items, depth: int, name: str):
-        self.items, self.queue, self.stopped = items, queue.Queue(maxsize=depth), threading.Event()
+        self.items, self.made, self.ended = items, queue.SimpleQueue(), None
+        self.room, self.stopped = threading.Semaphore(depth), threading.Event()
         self.thread = threading.Thread(target=self._fill, name=name, daemon=True)
         self.thread.start()
 
     def _fill(self) -> None:
         try:
-            while not self.stopped.is_set():
-                self.queue.put(next(self.items))
-        except BaseException as error:  # handed to the consumer, which raises it
-            self.queue.put(error)
+            while self.room.acquire() and not self.stopped.is_set():
+                self.made.put(next(self.items))
+            raise StreamClosed(f"{self.thread.name} was closed")
+        except BaseException as error:  # StopIteration included: handed to the consumer, which raises it
+            self.made.put(error)
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        item = self.queue.get()
-        if isinstance(item, BaseException):
-            self.stopped.set()
-            raise item
-        return item
+        if self.ended is None:
+            item = self.made.get()
+            if not isinstance(item, BaseException):
+                self.room.release()
+                return item
+            self.ended = item
+        raise self.ended
 
     def close(self, wait: bool = True) -> None:
-        """Stop the thread: it sees the flag once the queue has room again; ``wait`` for it to end."""
+        """Stop the thread once it has made the item it is making, if any; ``wait`` for it to end."""
         self.stopped.set()
-        while True:
-            try:
-                self.queue.get(timeout=0.1)
-            except queue.Empty:
-                if not (wait and self.thread.is_alive()):
-                    return
+        self.room.release()  # wakes the thread if it waits for room
+        if wait:
+            self.thread.join()
 
 
 class Prefetcher(Ahead):
-    """``(prepare(batch), state)`` for each batch of ``stream``, built up to ``depth`` ahead in a background thread
+    """``(prepare(batch), state)`` for each batch of ``stream``, built at most ``depth`` ahead in a background thread
     (numpy work that would otherwise sit between two GPU steps), ``state`` being the stream's state after that
     batch: a checkpoint stores the state after the last batch trained on, not after those built ahead. The
     stream is deterministic, so the items are exactly those of the stream itself. Taking an item first lets
