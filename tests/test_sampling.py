@@ -206,6 +206,18 @@ def test_ranks_sharing_the_sampled_pass_get_the_batches_of_a_rank_that_makes_it_
         assert counts[epoch, "src"] < 0.6 * world * len(data)  # alone, each rank would segment every sentence
 
 
+def test_a_stream_whose_ranks_exchange_refuses_to_load_a_state_after_its_first_batch(small_data):
+    """Its planning threads wait for the old position's exchanges and could take the new one's: refused."""
+    stream = BatchStream(ParallelData(str(small_data), "train"), 256, 1, 0, 1, sampler_of(small_data),
+                         ThreadGroup(1).all_gather(0))
+    stream.load_state_dict({"epoch": 1, "position": 2, "world_size": 1})  # before the first batch: resumes
+    ahead = Prefetcher(stream, lambda batch: batch, depth=2)
+    assert next(ahead)[1] == {"epoch": 1, "position": 3, "world_size": 1}
+    with pytest.raises(RuntimeError, match="load before the first batch"):
+        stream.load_state_dict({"epoch": 0, "position": 0, "world_size": 1})
+    ahead.close()
+
+
 def test_closing_a_stream_wakes_the_threads_waiting_for_an_exchange(small_data):
     """A prefetcher whose first plan waits for an exchange that never comes (no batch was ever taken) closes."""
     never = ThreadGroup(2).all_gather(0)

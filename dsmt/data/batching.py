@@ -263,7 +263,12 @@ class BatchStream:
 
     def load_state_dict(self, state: dict) -> None:
         """Resume where the job stood; on another number of ranks, after the same share of the epoch
-        (rounded up: a few batches may be skipped, none repeated)."""
+        (rounded up: a few batches may be skipped, none repeated). A stream whose ranks exchange is loaded
+        before its first take: its planning threads wait for exchanges of the old position, which could take
+        the new position's."""
+        if self._parts is not None:
+            raise RuntimeError("BatchStream.load_state_dict after the ranks' first exchange: "
+                               "load before the first batch")
         consumed = state["position"] * state["world_size"]
         self.epoch, self.position, self._batches = state["epoch"], -(-consumed // self.world_size), None
         if self._plans is not None:  # what was planned ahead follows the old position, not this one
