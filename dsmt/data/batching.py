@@ -263,9 +263,9 @@ class BatchStream:
 
     def load_state_dict(self, state: dict) -> None:
         """Resume where the job stood; on another number of ranks, after the same share of the epoch
-        (rounded up: a few batches may be skipped, none repeated). A stream whose ranks exchange is loaded
-        before its first take: its planning threads wait for exchanges of the old position, which could take
-        the new position's."""
+        (rounded up: a few batches may be skipped, none repeated). A stream whose ranks exchange must be loaded
+        before its first batch: its planning threads wait for the old position's exchanges, and would take the
+        new position's."""
         if self._parts is not None:
             raise RuntimeError("BatchStream.load_state_dict after the ranks' first exchange: "
                                "load before the first batch")
