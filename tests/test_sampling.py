@@ -13,9 +13,10 @@ import pytest
 import sentencepiece as spm
 
 from dsmt import DsmtError
+from dsmt.data import batching
 from dsmt.data.batching import BatchStream, ParallelData, Prefetcher
 from dsmt.data.prepare import PrepareOptions, prepare
-from dsmt.data.sampling import SampledEpoch, SubwordSampler, sentence_uniforms
+from dsmt.data.sampling import SampledEpoch, SampledPart, SubwordSampler, select, sentence_uniforms
 from tests.test_data import SMALL_DE, SMALL_EN, write_pairs
 from tests.test_reliability import QUIET, assert_same_parameters, run_with_faults
 from tests.training import records, train
@@ -218,6 +219,35 @@ def test_a_stream_whose_ranks_exchange_refuses_to_load_a_state_after_its_first_b
     ahead.close()
 
 
+@pytest.mark.parametrize("world", [1, 3])
+def test_a_rank_makes_its_part_of_an_epochs_pass_once_it_gives_the_batches_of_the_epoch_before(small_data, world,
+                                                                                                 monkeypatch):
+    """Not beside the plan of the epoch before (the first plan has the core to itself), nor while two planned
+    epochs are held: when each part after the first is made, the stream already gives the epoch before it."""
+    data, group, made, lock = ParallelData(str(small_data), "train"), ThreadGroup(world), [], threading.Lock()
+    streams = [BatchStream(data, 256, 1, rank, world, sampler_of(small_data), group.all_gather(rank))
+               for rank in range(world)]
+
+    def recorded(data, sampler, epoch, rank, world):
+        stream = streams[rank]
+        with lock:
+            made.append((rank, epoch, stream.epoch if stream._batches is not None else -1))
+        return SampledPart(data, sampler, epoch, rank, world)
+    monkeypatch.setattr(batching, "SampledPart", recorded)
+    takes = 3 * len(BatchStream(data, 256, 1, 0, world, sampler_of(small_data)).batches(0))
+
+    def take(stream):
+        ahead = Prefetcher(stream, lambda batch: batch, depth=2)
+        [next(ahead) for _ in range(takes)]
+        ahead.close()
+    with ThreadPoolExecutor(world) as pool:
+        list(pool.map(take, streams))
+    for rank in range(world):
+        parts = [(epoch, giving) for r, epoch, giving in made if r == rank]
+        assert [epoch for epoch, _ in parts[:3]] == [0, 1, 2]
+        assert all(giving >= epoch - 1 for epoch, giving in parts[1:]), parts
+
+
 def test_closing_a_stream_wakes_the_threads_waiting_for_an_exchange(small_data):
     """A prefetcher whose first plan waits for an exchange that never comes (no batch was ever taken) closes."""
     never = ThreadGroup(2).all_gather(0)
@@ -250,6 +280,18 @@ def test_a_planned_epoch_keeps_its_ranks_sampled_ids_only_and_builds_batches_fro
             assert tgt == (*drawn(sampler, 1, "tgt", [index])[0].tolist(), data.eos)
         seen |= set(rows)
     assert seen == set(range(len(data)))
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 1000])
+def test_select_gathers_the_sentences_at_the_positions_whatever_its_chunk(chunk):
+    rng = np.random.default_rng(0)
+    sentences = [rng.integers(0, 60000, rng.integers(0, 9), dtype=np.uint16) for _ in range(50)]
+    offsets = np.concatenate([[0], np.cumsum([len(s) for s in sentences])]).astype(np.int64)
+    positions = rng.permutation(50)[:30]
+    ids, new_offsets = select((np.concatenate(sentences), offsets), positions, chunk)
+    assert ids.dtype == np.uint16
+    assert [ids[a:b].tolist() for a, b in zip(new_offsets[:-1], new_offsets[1:])] == \
+        [sentences[k].tolist() for k in positions]
 
 
 def test_a_sampled_segmentation_too_long_for_a_batch_keeps_the_prepared_ids(small_data):

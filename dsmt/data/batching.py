@@ -143,7 +143,9 @@ class BatchStream:
     exchange is a collective, so it is made by the thread that trains, in ``sync``, at the same point of every
     rank's batches: before the first batch it takes, and halfway through each epoch for the epoch after it
     (whose part then had half an epoch to be made, and its plan half an epoch before it is needed). Planning
-    threads only wait for it; nothing but the training thread ever waits on another rank."""
+    threads only wait for it; nothing but the training thread ever waits on another rank. A rank makes its part
+    of an epoch's pass once it trains on the epoch before: then, and from the epoch's plan to its last batch, it
+    holds the sampled ids of two epochs at most, and the first epoch's plan has the core to itself."""
 
     def __init__(self, data: ParallelData, max_tokens: int, seed: int, rank: int = 0, world_size: int = 1,
                  sampler=None, exchange=None):
@@ -154,6 +156,7 @@ class BatchStream:
         self._parts = self._next_exchange = None  # this rank's parts of the passes; the next epoch to exchange
         self._exchanged, self._changed, self._closed = {}, threading.Condition(), False
         self._planned = {}  # epoch -> this rank's batch count (or what planning it raised), once planned
+        self._started = -1  # the epoch whose batches the stream gives now (-1: none yet)
 
     def plan(self, epoch: int) -> tuple:
         """(the data as ``epoch`` segments it, with its lengths and collate; this rank's batches of it)."""
@@ -197,11 +200,9 @@ class BatchStream:
         took (or the state it started from): the exchanges planning waits for, the same on every rank."""
         if self.exchange is None:
             return
-        if self._parts is None:  # this rank's parts of the passes from here on, made one ahead of their exchange
+        if self._parts is None:
             self._next_exchange = state["epoch"]
-            parts = (SampledPart(self.data, self.sampler, epoch, self.rank, self.world_size)
-                     for epoch in itertools.count(state["epoch"]))
-            self._parts = Ahead(parts, depth=1, name="dsmt-sampling")
+            self._parts = Ahead(self._parts_from(state["epoch"]), depth=1, name="dsmt-sampling")
         epoch, position = state["epoch"], state["position"]
         if self._next_exchange == epoch:  # the first take: the epoch it starts in
             self._exchange(epoch)
@@ -211,6 +212,14 @@ class BatchStream:
                 raise count
             if 2 * position >= count:
                 self._exchange(epoch + 1)
+
+    def _parts_from(self, first: int):
+        """This rank's parts of the passes from epoch ``first`` on, each (after the first) made once the stream
+        gives the batches of the epoch before it: not beside that epoch's plan, nor held beside two planned epochs."""
+        yield SampledPart(self.data, self.sampler, first, self.rank, self.world_size)
+        for epoch in itertools.count(first + 1):
+            self._wait_for(lambda: self._started >= epoch - 1 or None, f"epoch {epoch - 1}'s start")
+            yield SampledPart(self.data, self.sampler, epoch, self.rank, self.world_size)
 
     def _exchange(self, epoch: int) -> None:
         part = next(self._parts)
@@ -243,7 +252,9 @@ class BatchStream:
             if self._plans is None:
                 self._plans = Ahead((self.plan(e) for e in itertools.count(epoch)), depth=1, name="dsmt-next-epoch")
             self._view, self._batches = next(self._plans)
-        self.epoch = epoch
+        with self._changed:
+            self.epoch = self._started = epoch
+            self._changed.notify_all()
 
     def __iter__(self):
         return self

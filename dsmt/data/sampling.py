@@ -21,6 +21,7 @@ from dsmt import DsmtError
 
 SIDES = {"src": 0, "tgt": 1}
 SEGMENT_BLOCK = 128  # sentences drawn at once, by one thread (larger blocks measured slower: more live objects)
+SELECT_CHUNK = 1 << 14  # sentences gathered at once by select: its index takes a few MB
 
 
 def sentence_uniforms(seed: int, epoch: int, side: str, indices) -> np.ndarray:
@@ -96,12 +97,21 @@ class SubwordSampler:
         return ids, np.concatenate([[0], np.cumsum(np.concatenate([np.empty(0, np.int64), *(n for _, n in drawn)]))])
 
 
-def select(segments: tuple[np.ndarray, np.ndarray], positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The sentences at ``positions`` of ``segments`` (ids end to end, offsets), in that order."""
+def select(segments: tuple[np.ndarray, np.ndarray], positions: np.ndarray,
+           chunk: int = SELECT_CHUNK) -> tuple[np.ndarray, np.ndarray]:
+    """The sentences at ``positions`` of ``segments`` (ids end to end, offsets), in that order. They are gathered
+    ``chunk`` sentences at a time: the gather's index takes 8 bytes a token (the ids take 2), which for all of a
+    rank's WMT-sized share at once would be gigabytes."""
     ids, offsets = segments
     starts, lengths = offsets[positions], offsets[positions + 1] - offsets[positions]
     new_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    return ids[np.repeat(starts - new_offsets[:-1], lengths) + np.arange(new_offsets[-1])], new_offsets
+    selected = np.empty(new_offsets[-1], ids.dtype)
+    for first in range(0, len(positions), chunk):
+        last = min(first + chunk, len(positions))
+        begin, end = new_offsets[first], new_offsets[last]
+        shift = starts[first:last] - new_offsets[first:last]  # where a sentence's ids are, less where they go
+        selected[begin:end] = ids[np.repeat(shift, lengths[first:last]) + np.arange(begin, end)]
+    return selected, new_offsets
 
 
 class SampledPart:
