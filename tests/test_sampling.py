@@ -16,7 +16,7 @@ from dsmt import DsmtError
 from dsmt.data import batching
 from dsmt.data.batching import BatchStream, ParallelData, Prefetcher
 from dsmt.data.prepare import PrepareOptions, prepare
-from dsmt.data.sampling import SampledEpoch, SampledPart, SubwordSampler, select, sentence_uniforms
+from dsmt.data.sampling import SampledEpoch, SampledPart, SubwordSampler, copy_sentences, sentence_uniforms
 from tests.test_data import SMALL_DE, SMALL_EN, write_pairs
 from tests.test_reliability import QUIET, assert_same_parameters, run_with_faults
 from tests.training import records, train
@@ -283,15 +283,24 @@ def test_a_planned_epoch_keeps_its_ranks_sampled_ids_only_and_builds_batches_fro
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 1000])
-def test_select_gathers_the_sentences_at_the_positions_whatever_its_chunk(chunk):
+def test_copy_sentences_puts_each_sentence_in_its_place_whatever_its_chunk(chunk):
+    """Sentences from two sources interleaved into one target, as ``SampledEpoch.keep`` merges held and new ids;
+    the places the copies leave alone keep what they held."""
     rng = np.random.default_rng(0)
     sentences = [rng.integers(0, 60000, rng.integers(0, 9), dtype=np.uint16) for _ in range(50)]
     offsets = np.concatenate([[0], np.cumsum([len(s) for s in sentences])]).astype(np.int64)
+    source = np.concatenate(sentences), offsets
     positions = rng.permutation(50)[:30]
-    ids, new_offsets = select((np.concatenate(sentences), offsets), positions, chunk)
-    assert ids.dtype == np.uint16
-    assert [ids[a:b].tolist() for a, b in zip(new_offsets[:-1], new_offsets[1:])] == \
-        [sentences[k].tolist() for k in positions]
+    places = rng.permutation(40)[:30]  # 10 of the target's 40 sentences are left out
+    target = {int(place): sentences[position] for place, position in zip(places, positions)}
+    untouched = [rng.integers(0, 60000, 3, dtype=np.uint16) for _ in range(40)]
+    expected = [target.get(k, untouched[k]) for k in range(40)]
+    into_offsets = np.concatenate([[0], np.cumsum([len(s) for s in expected])]).astype(np.int64)
+    into = np.concatenate([s if k in target else untouched[k] for k, s in enumerate(expected)])
+    into[np.concatenate([np.arange(into_offsets[k], into_offsets[k + 1]) for k in target])] = 0
+    copy_sentences(source, positions, (into, into_offsets), places, chunk)
+    assert into.dtype == np.uint16
+    assert [into[a:b].tolist() for a, b in zip(into_offsets[:-1], into_offsets[1:])] == [s.tolist() for s in expected]
 
 
 def test_a_sampled_segmentation_too_long_for_a_batch_keeps_the_prepared_ids(small_data):

@@ -10,6 +10,7 @@ sentences only, which its batches are built from. Several ranks share that pass:
 world-th sentence and the ranks exchange the lengths (``dsmt.data.batching.BatchStream``).
 """
 
+import ctypes
 import itertools
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,7 +22,17 @@ from dsmt import DsmtError
 
 SIDES = {"src": 0, "tgt": 1}
 SEGMENT_BLOCK = 128  # sentences drawn at once, by one thread (larger blocks measured slower: more live objects)
-SELECT_CHUNK = 1 << 14  # sentences gathered at once by select: its index takes a few MB
+COPY_CHUNK = 1 << 14  # sentences copied at once by copy_sentences: its index takes a few MB
+
+
+def trim_heap() -> None:
+    """Hand the pages of freed arrays back to the system (glibc's ``malloc_trim``; elsewhere nothing). A pass
+    frees thousands of per-block arrays once it joins them, and the old ids once they are copied: glibc keeps
+    such pages (its mmap threshold grows to the largest array freed, so later ones come from the heap), about
+    100 MB a rank after an epoch's pass at 1M pairs, growing with the corpus."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 def sentence_uniforms(seed: int, epoch: int, side: str, indices) -> np.ndarray:
@@ -94,24 +105,26 @@ class SubwordSampler:
         with ThreadPoolExecutor(self.threads, thread_name_prefix="dsmt-sampling") as pool:
             drawn = list(pool.map(lambda block: self._draw_block(epoch, side, block), blocks))
         ids = np.concatenate([np.empty(0, self.data.src_ids.dtype), *(ids for ids, _ in drawn)])
-        return ids, np.concatenate([[0], np.cumsum(np.concatenate([np.empty(0, np.int64), *(n for _, n in drawn)]))])
+        offsets = np.concatenate([[0], np.cumsum(np.concatenate([np.empty(0, np.int64), *(n for _, n in drawn)]))])
+        del drawn
+        trim_heap()
+        return ids, offsets
 
 
-def select(segments: tuple[np.ndarray, np.ndarray], positions: np.ndarray,
-           chunk: int = SELECT_CHUNK) -> tuple[np.ndarray, np.ndarray]:
-    """The sentences at ``positions`` of ``segments`` (ids end to end, offsets), in that order. They are gathered
-    ``chunk`` sentences at a time: the gather's index takes 8 bytes a token (the ids take 2), which for all of a
-    rank's WMT-sized share at once would be gigabytes."""
-    ids, offsets = segments
+def copy_sentences(source: tuple[np.ndarray, np.ndarray], positions: np.ndarray,
+                   target: tuple[np.ndarray, np.ndarray], places: np.ndarray, chunk: int = COPY_CHUNK) -> None:
+    """Copy sentence ``positions[k]`` of ``source`` (ids end to end, offsets) into sentence ``places[k]`` of
+    ``target``, whose offsets already give it room. ``chunk`` sentences are copied at a time: the copy's index
+    takes 16 bytes a token (the ids take 2), which for all of a rank's WMT-sized share at once would be gigabytes."""
+    (ids, offsets), (into, into_offsets) = source, target
     starts, lengths = offsets[positions], offsets[positions + 1] - offsets[positions]
-    new_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    selected = np.empty(new_offsets[-1], ids.dtype)
     for first in range(0, len(positions), chunk):
-        last = min(first + chunk, len(positions))
-        begin, end = new_offsets[first], new_offsets[last]
-        shift = starts[first:last] - new_offsets[first:last]  # where a sentence's ids are, less where they go
-        selected[begin:end] = ids[np.repeat(shift, lengths[first:last]) + np.arange(begin, end)]
-    return selected, new_offsets
+        part = slice(first, first + chunk)
+        counts = lengths[part]
+        before = np.cumsum(counts) - counts  # each sentence's first token among this chunk's tokens
+        token = np.arange(int(counts.sum()))
+        into[np.repeat(into_offsets[places[part]] - before, counts) + token] = \
+            ids[np.repeat(starts[part] - before, counts) + token]
 
 
 class SampledPart:
@@ -151,13 +164,19 @@ class SampledEpoch:
         position = np.searchsorted(self.kept, kept).clip(max=max(len(self.kept) - 1, 0))
         held = self.kept[position] == kept if len(self.kept) else np.zeros(len(kept), bool)
         missing = kept[~held]
-        where = np.empty(len(kept), np.int64)  # each kept sentence's place among (held ids, then missing ones)
-        where[held], where[~held] = position[held], len(self.kept) + np.arange(len(missing))
         for side, (ids, offsets) in self.segments.items():
-            if len(missing):
-                new_ids, new_offsets = self.sampler.segment(self.epoch, side, missing)
-                ids, offsets = np.concatenate([ids, new_ids]), np.concatenate([offsets[:-1], new_offsets + offsets[-1]])
-            self.segments[side] = select((ids, offsets), where)
+            # Copied straight into the kept sentences' arrays: no array of held and new ids together (a copy of
+            # both, for a moment, beside them and the result).
+            new_ids, new_offsets = self.sampler.segment(self.epoch, side, missing)
+            lengths = np.empty(len(kept), np.int64)
+            lengths[held], lengths[~held] = np.diff(offsets)[position[held]], np.diff(new_offsets)
+            kept_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+            kept_segments = np.empty(kept_offsets[-1], ids.dtype), kept_offsets
+            copy_sentences((ids, offsets), position[held], kept_segments, np.flatnonzero(held))
+            copy_sentences((new_ids, new_offsets), np.arange(len(missing)), kept_segments, np.flatnonzero(~held))
+            self.segments[side] = kept_segments
+            del ids, offsets, new_ids, new_offsets
+            trim_heap()
         self.kept = kept
 
     def sentences(self, side: str, indices) -> list[np.ndarray]:
