@@ -61,13 +61,19 @@ def prepare(corpus: Path, out: Path, args) -> tuple[float, float]:
     return child_peak_rss_mb(command)
 
 
-def private_mb(pid: int) -> float:
-    """A process's anonymous resident memory: RSS without the page cache of files it maps (its data arrays)."""
+def resident_mb(pid="self") -> dict[str, float]:
+    """A process's resident memory (MB) as /proc/PID/status gives it: RssAnon (its own) and RssFile (the page
+    cache of files it maps, its data arrays); nothing once it has ended."""
     try:
         status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
     except OSError:
-        return 0.0
-    return int(status.get("RssAnon", "0 kB").split()[0]) / 1024
+        return {}
+    return {key: int(status[key].split()[0]) / 1024 for key in ("RssAnon", "RssFile") if key in status}
+
+
+def private_mb(pid: int) -> float:
+    """A process's anonymous resident memory: RSS without the page cache of files it maps (its data arrays)."""
+    return resident_mb(pid).get("RssAnon", 0.0)
 
 
 def first_step(data: Path, out: Path, steps: int, *overrides: str) -> tuple[float, float, float]:

@@ -14,18 +14,13 @@ cache, shared by the ranks of a node and reclaimable); getrusage's peak RSS coun
 import argparse
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 
-from dsmt.config import DataConfig, SubwordSamplingConfig
+from dsmt.config import DataConfig, ModelConfig, SubwordSamplingConfig
 from dsmt.data.batching import ParallelData, epoch_batches, shard
 from dsmt.data.sampling import SampledEpoch, SampledPart, SubwordSampler
-
-
-def resident_mb() -> dict[str, int]:
-    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
-    return {key: int(status[key].split()[0]) // 1024 for key in ("RssAnon", "RssFile")}
+from prepare_scale import resident_mb
 
 
 class PhasePeaks:
@@ -53,9 +48,10 @@ def main():
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--rank", type=int, default=0)
     args = parser.parse_args()
-    peaks, options = PhasePeaks(), SubwordSamplingConfig()
+    peaks, options, max_tokens = PhasePeaks(), SubwordSamplingConfig(), DataConfig().max_tokens
     data = ParallelData(args.data, "train")
-    sampler = SubwordSampler(data, args.data, options.sides, options.alpha, options.nbest, seed=1, max_len=255)
+    fits = min(max_tokens, ModelConfig().max_positions) - 1  # as the trainer bounds a sampled sentence
+    sampler = SubwordSampler(data, args.data, options.sides, options.alpha, options.nbest, seed=1, max_len=fits)
     timings = {}
 
     def phase(name, work):
@@ -70,8 +66,8 @@ def main():
     lengths[:, args.rank::args.world] = part.lengths
     epoch = SampledEpoch(data, sampler, part, lengths)
     del part
-    batches = phase("plan", lambda: shard(epoch_batches(epoch.src_lens, epoch.tgt_lens, DataConfig().max_tokens,
-                                                        1, 0), args.rank, args.world))
+    batches = phase("plan", lambda: shard(epoch_batches(epoch.src_lens, epoch.tgt_lens, max_tokens, 1, 0),
+                                          args.rank, args.world))
     phase("keep", lambda: epoch.keep(np.concatenate(batches)))
     peaks.start("kept")
     time.sleep(0.2)  # a reading of what stays
@@ -80,7 +76,7 @@ def main():
           "| phase | seconds | peak anonymous MB | peak file-backed MB |\n| --- | ---: | ---: | ---: |")
     for name, peak in peaks.peaks.items():
         seconds = f"{timings[name]:.0f}" if name in timings else ""
-        print(f"| {name} | {seconds} | {peak['RssAnon']:,} | {peak['RssFile']:,} |")
+        print(f"| {name} | {seconds} | {peak['RssAnon']:,.0f} | {peak['RssFile']:,.0f} |")
 
 
 if __name__ == "__main__":

@@ -296,7 +296,7 @@ def test_copy_sentences_puts_each_sentence_in_its_place_whatever_its_chunk(chunk
     untouched = [rng.integers(0, 60000, 3, dtype=np.uint16) for _ in range(40)]
     expected = [target.get(k, untouched[k]) for k in range(40)]
     into_offsets = np.concatenate([[0], np.cumsum([len(s) for s in expected])]).astype(np.int64)
-    into = np.concatenate([s if k in target else untouched[k] for k, s in enumerate(expected)])
+    into = np.concatenate(expected)
     into[np.concatenate([np.arange(into_offsets[k], into_offsets[k + 1]) for k in target])] = 0
     copy_sentences(source, positions, (into, into_offsets), places, chunk)
     assert into.dtype == np.uint16

@@ -12,6 +12,7 @@ world-th sentence and the ranks exchange the lengths (``dsmt.data.batching.Batch
 
 import ctypes
 import itertools
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -23,6 +24,8 @@ from dsmt import DsmtError
 SIDES = {"src": 0, "tgt": 1}
 SEGMENT_BLOCK = 128  # sentences drawn at once, by one thread (larger blocks measured slower: more live objects)
 COPY_CHUNK = 1 << 14  # sentences copied at once by copy_sentences: its index takes a few MB
+# glibc's, looked up once; musl has none, and other systems' allocators return freed pages themselves
+MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None) if sys.platform == "linux" else None
 
 
 def trim_heap() -> None:
@@ -30,9 +33,8 @@ def trim_heap() -> None:
     frees thousands of per-block arrays once it joins them, and the old ids once they are copied: glibc keeps
     such pages (its mmap threshold grows to the largest array freed, so later ones come from the heap), about
     100 MB a rank after an epoch's pass at 1M pairs, growing with the corpus."""
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
-    if trim is not None:
-        trim(0)
+    if MALLOC_TRIM is not None:
+        MALLOC_TRIM(0)
 
 
 def sentence_uniforms(seed: int, epoch: int, side: str, indices) -> np.ndarray:
