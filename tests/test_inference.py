@@ -1,5 +1,7 @@
+import json
 import os
 import pty
+import re
 import select
 import subprocess
 import termios
@@ -157,6 +159,24 @@ def test_beam_search_on_the_device_equals_the_reference_loop(trained, beam, lenp
     with torch.no_grad():
         expected = reference_beam_search(model, src, BOS, EOS, PAD, beam, lenpen, max_len, nbest)
     assert beam_search(model, src, BOS, EOS, PAD, beam, lenpen, max_len, nbest) == expected
+
+
+def test_lenpen_sweep_scores_each_penalty_and_pairs_it_with_an_earlier_sweep(trained, tmp_path):
+    root, data = trained
+    sweep = [PYTHON, "benchmarks/lenpen_sweep.py", "--checkpoint", str(root / "export_zero0"), "--threads", "1",
+             "--src", str(data / "valid.en.txt"), "--ref", str(data / "valid.de.txt"), "--lenpens", "0.6,2.2"]
+    first = subprocess.run([*sweep, "--out", str(tmp_path / "a.json")], cwd=REPO, env=run_env(), capture_output=True,
+                           text=True)
+    assert first.returncode == 0, first.stderr
+    assert re.findall(r"^lenpen (\S+): BLEU [\d.]+, length ratio [\d.]+, [\d.]+ s$", first.stdout, re.M) == ["0.6", "2.2"]
+    second = subprocess.run([*sweep, "--out", str(tmp_path / "b.json"), "--against", str(tmp_path / "a.json")],
+                            cwd=REPO, env=run_env(), capture_output=True, text=True)
+    assert second.returncode == 0, second.stderr
+    assert len(re.findall(r"; earlier BLEU [\d.]+, length ratio [\d.]+, [\d.]+ s; difference p = [\d.]+$",
+                          second.stdout, re.M)) == 2
+    a, b = (json.loads((tmp_path / f"{name}.json").read_text()) for name in "ab")
+    assert [a[lp]["hypotheses"] for lp in a] == [b[lp]["hypotheses"] for lp in b]  # decoding is deterministic
+    assert len(a["0.6"]["hypotheses"]) == len((data / "valid.en.txt").read_text().splitlines())
 
 
 def test_beam_search_without_cache_finds_the_same(trained):
