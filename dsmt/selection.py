@@ -14,6 +14,7 @@ from sacrebleu.significance import PairedTest
 
 SIGNIFICANCE = 0.05
 RESAMPLES = 1000
+LENPENS = (0.6, 1.0, 1.4, 1.8, 2.2)  # the length penalties a selection tries; the first is dsmt translate's default
 
 
 @dataclass(frozen=True)

@@ -26,12 +26,11 @@ from dsmt import DsmtError
 from dsmt.checkpoint import TAG, average, checkpoints_dir
 from dsmt.cli import main as dsmt
 from dsmt.config import load_config
-from dsmt.selection import choose, describe
+from dsmt.selection import LENPENS, choose, describe
 from dsmt.translate import Translator, evaluate, read_input
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "launch" / "configs" / "multi30k_en_de.yaml"  # De→En overrides its data and output dirs
-LENPENS = (0.6, 1.0, 1.4, 1.8, 2.2)  # the first is the default, dsmt translate's
 DEFAULT_MODEL = "average of last 5"
 
 

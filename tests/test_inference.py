@@ -172,8 +172,13 @@ def test_lenpen_sweep_scores_each_penalty_and_pairs_it_with_an_earlier_sweep(tra
     second = subprocess.run([*sweep, "--out", str(tmp_path / "b.json"), "--against", str(tmp_path / "a.json")],
                             cwd=REPO, env=run_env(), capture_output=True, text=True)
     assert second.returncode == 0, second.stderr
-    assert len(re.findall(r"; earlier BLEU [\d.]+, length ratio [\d.]+, [\d.]+ s; difference p = [\d.]+$",
-                          second.stdout, re.M)) == 2
+    paired = re.findall(r"^lenpen (\S+): BLEU ([\d.]+), .*; earlier BLEU ([\d.]+), length ratio [\d.]+, [\d.]+ s; "
+                        r"difference p = [\d.]+$", second.stdout, re.M)
+    bleu_first = dict(re.findall(r"^lenpen (\S+): BLEU ([\d.]+)", first.stdout, re.M))
+    assert [(lp, this, before) for lp, this, before in paired] == [(lp, bleu, bleu) for lp, bleu in bleu_first.items()]
+    missing = subprocess.run([*sweep, "--out", str(tmp_path / "c.json"), "--against", str(tmp_path / "none.json")],
+                             cwd=REPO, env=run_env(), capture_output=True, text=True)
+    assert missing.returncode == 2 and "--against " + str(tmp_path / "none.json") + ": no such file" in missing.stderr
     a, b = (json.loads((tmp_path / f"{name}.json").read_text()) for name in "ab")
     assert [a[lp]["hypotheses"] for lp in a] == [b[lp]["hypotheses"] for lp in b]  # decoding is deterministic
     assert len(a["0.6"]["hypotheses"]) == len((data / "valid.en.txt").read_text().splitlines())
