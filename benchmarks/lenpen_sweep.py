@@ -10,14 +10,49 @@ Only the valid set should choose anything: this is for comparing decoders on it,
 
 import argparse
 import json
-import os
 import time
 
 import torch
 from sacrebleu.metrics import BLEU
 
+from dsmt import DsmtError
+from dsmt.files import check_input_file, check_output_file
 from dsmt.selection import LENPENS, choose
 from dsmt.translate import Translator, read_input
+
+
+def penalties(text: str) -> list[str]:
+    """``--lenpens``: kept as written, since they name the penalties in the JSON an ``--against`` pairs by."""
+    values = text.split(",")
+    try:
+        for value in values:
+            float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated numbers, e.g. 0.6,1.4") from None
+    return values
+
+
+def read_inputs(args) -> tuple[list[str], list[str], dict]:
+    """Sources, references and the earlier sweep, each checked before the model is loaded."""
+    for path, flag in ((args.src, "--src"), (args.ref, "--ref"), (args.against, "--against")):
+        if path:
+            check_input_file(path, flag)
+    check_output_file(args.out, "--out")
+    sources, references = read_input(args.src), read_input(args.ref)
+    if len(sources) != len(references):
+        raise DsmtError(f"{args.src} has {len(sources)} lines but {args.ref} has {len(references)}")
+    if not args.against:
+        return sources, references, {}
+    try:
+        earlier = json.loads(open(args.against, encoding="utf-8").read())
+        counts = {lenpen: len(run["hypotheses"]) for lenpen, run in earlier.items()}
+    except (ValueError, TypeError, KeyError, AttributeError):
+        raise DsmtError(f"--against {args.against} is not a sweep's JSON; give the --out of an earlier sweep") from None
+    for lenpen, count in counts.items():
+        if count != len(references):
+            raise DsmtError(f"--against {args.against}: lenpen {lenpen} has {count} hypotheses "
+                            f"but {args.ref} has {len(references)} lines; give a sweep of the same set")
+    return sources, references, earlier
 
 
 def main():
@@ -25,21 +60,21 @@ def main():
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--src", required=True)
     parser.add_argument("--ref", required=True)
-    parser.add_argument("--lenpens", default=",".join(map(str, LENPENS)))
+    parser.add_argument("--lenpens", type=penalties, default=",".join(map(str, LENPENS)))
     parser.add_argument("--beam", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", required=True, help="JSON of the hypotheses and seconds per penalty")
     parser.add_argument("--against", help="an earlier --out: pair each penalty with its hypotheses there")
     args = parser.parse_args()
-    if args.against and not os.path.isfile(args.against):
-        parser.error(f"--against {args.against}: no such file; give the --out of an earlier sweep")
+    try:
+        sources, references, earlier = read_inputs(args)
+    except DsmtError as e:
+        parser.error(str(e))
     torch.set_num_threads(args.threads)
-    sources, references = read_input(args.src), read_input(args.ref)
-    earlier = json.load(open(args.against)) if args.against else {}
 
     translator = Translator(args.checkpoint, beam=args.beam)  # loaded once: the seconds are decoding only
     sweep = {}
-    for lenpen in args.lenpens.split(","):
+    for lenpen in args.lenpens:
         translator.lenpen = float(lenpen)
         start = time.perf_counter()
         hypotheses = translator.translate(sources)

@@ -175,10 +175,17 @@ def test_lenpen_sweep_scores_each_penalty_and_pairs_it_with_an_earlier_sweep(tra
     paired = re.findall(r"^lenpen (\S+): BLEU ([\d.]+), .*; earlier BLEU ([\d.]+), length ratio [\d.]+, [\d.]+ s; "
                         r"difference p = [\d.]+$", second.stdout, re.M)
     bleu_first = dict(re.findall(r"^lenpen (\S+): BLEU ([\d.]+)", first.stdout, re.M))
-    assert [(lp, this, before) for lp, this, before in paired] == [(lp, bleu, bleu) for lp, bleu in bleu_first.items()]
-    missing = subprocess.run([*sweep, "--out", str(tmp_path / "c.json"), "--against", str(tmp_path / "none.json")],
-                             cwd=REPO, env=run_env(), capture_output=True, text=True)
-    assert missing.returncode == 2 and "--against " + str(tmp_path / "none.json") + ": no such file" in missing.stderr
+    assert paired == [(lp, bleu, bleu) for lp, bleu in bleu_first.items()]
+    (tmp_path / "first.hyp").write_text("ein Hund\n")
+    (tmp_path / "short.json").write_text(json.dumps({"0.6": {"seconds": 1.0, "hypotheses": ["ein"]}}))
+    for bad, message in ((["--against", str(tmp_path / "none.json")], f"--against {tmp_path / 'none.json'} not found"),
+                         (["--against", str(tmp_path / "short.json")], "lenpen 0.6 has 1 hypotheses but"),
+                         (["--against", str(tmp_path / "first.hyp")], "is not a sweep's JSON"),
+                         (["--lenpens", "0.6,long"], "'0.6,long': give comma-separated numbers")):
+        refused = subprocess.run([*sweep, "--out", str(tmp_path / "c.json"), *bad], cwd=REPO, env=run_env(),
+                                 capture_output=True, text=True)
+        assert refused.returncode == 2 and message in refused.stderr.splitlines()[-1], refused.stderr
+        assert not (tmp_path / "c.json").exists()
     a, b = (json.loads((tmp_path / f"{name}.json").read_text()) for name in "ab")
     assert [a[lp]["hypotheses"] for lp in a] == [b[lp]["hypotheses"] for lp in b]  # decoding is deterministic
     assert len(a["0.6"]["hypotheses"]) == len((data / "valid.en.txt").read_text().splitlines())
